@@ -1,0 +1,1 @@
+"""Serving formats for trained draft heads (vLLM, TGI) and draftheads' own model-only format."""

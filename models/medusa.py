@@ -1,0 +1,172 @@
+"""Medusa draft heads (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple
+Decoding Heads", arXiv 2401.10774).
+
+Each head is a stack of residual blocks ``x + SiLU(W x + b)`` (paper eq. 1) applied to the target's last
+hidden state at position t; head k (1-based) predicts token t+k+1, the target's own LM head predicts t+1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ResBlock(nn.Module):
+    """One Medusa residual block, ``x + SiLU(W x + b)``.
+
+    W is zero-initialised so that a fresh block is the identity and a fresh head predicts what the target's
+    LM head predicts (Medusa paper, section 2.1.1).
+
+    Args:
+        hidden_size: D, the target's hidden size.
+    Shapes: ``[..., D] -> [..., D]``, any float dtype.
+    """
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads of L residual blocks each, every block with its own weights.
+
+    Args:
+        hidden_size: D, must equal the target's hidden size.
+        vocab_size: V, the target's vocabulary size.
+        num_heads: K.
+        num_layers: L, residual blocks per head.
+        per_head_lm_head: give each head its own LM head (initialised from the target's with
+            :meth:`init_lm_heads_from`); otherwise logits go through the target's frozen LM head.
+    """
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 4, num_layers: int = 1,
+                 per_head_lm_head: bool = False):
+        super().__init__()
+        if num_heads < 1 or num_layers < 1:
+            raise ValueError(f"Medusa needs num_heads >= 1 and num_layers >= 1, got {num_heads}, {num_layers}")
+        self.hidden_size, self.vocab_size = hidden_size, vocab_size
+        self.num_heads, self.num_layers = num_heads, num_layers
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(num_heads))
+        self.lm_heads = (nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+                         if per_head_lm_head else None)
+
+    @property
+    def per_head_lm_head(self) -> bool:
+        return self.lm_heads is not None
+
+    def init_lm_heads_from(self, lm_head: nn.Module) -> None:
+        """Copy the target's LM head weight ``[V, D]`` into every per-head LM head."""
+        if self.lm_heads is None:
+            raise ValueError("init_lm_heads_from needs per_head_lm_head=True")
+        with torch.no_grad():
+            for head in self.lm_heads:
+                head.weight.copy_(lm_head.weight)
+
+    def check_target(self, hidden_size: int, vocab_size: int, where: str = "target") -> None:
+        """Raise ``ValueError`` naming both sizes when these heads cannot run on ``where``."""
+        if (hidden_size, vocab_size) != (self.hidden_size, self.vocab_size):
+            raise ValueError(
+                f"Medusa heads have hidden_size={self.hidden_size}, vocab_size={self.vocab_size} but {where} has "
+                f"hidden_size={hidden_size}, vocab_size={vocab_size}: they were trained for another model")
+
+    def head_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Residual blocks of every head.
+
+        Args:
+            hidden_states: ``[..., D]`` target last-layer hidden states (after the final norm).
+        Returns:
+            ``[K, ..., D]``.
+        """
+        return torch.stack([blocks(hidden_states) for blocks in self.blocks])
+
+    def head_logits(self, k: int, head_state: torch.Tensor, lm_head: nn.Module | None) -> torch.Tensor:
+        """Logits ``[..., V]`` of head ``k`` (0-based) from its block output ``[..., D]``."""
+        if self.lm_heads is not None:
+            return self.lm_heads[k](head_state)
+        if lm_head is None:
+            raise ValueError("these Medusa heads share the target's LM head: pass lm_head")
+        return lm_head(head_state)
+
+    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Logits of all heads.
+
+        Args:
+            hidden_states: ``[..., D]``.
+            lm_head: the target's LM head (``D -> V``), required unless ``per_head_lm_head``.
+        Returns:
+            ``[K, ..., V]``, head k's logits for token t+k+2 (0-based k) at every position t.
+        """
+        states = self.head_states(hidden_states)
+        return torch.stack([self.head_logits(k, states[k], lm_head) for k in range(self.num_heads)])
+
+
+def medusa_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labels and validity for every head at every position.
+
+    Head k (1-based) at position t predicts ``input_ids[t + k + 1]``; the pair counts when that label is an
+    assistant token (``loss_mask`` true).
+
+    Args:
+        input_ids: ``[B, T]`` int64.
+        loss_mask: ``[B, T]`` bool, true on tokens the loss covers.
+        num_heads: K.
+    Returns:
+        labels ``[K, B, T]`` int64 (0 where invalid) and valid ``[K, B, T]`` bool.
+    """
+    B, T = input_ids.shape
+    labels = input_ids.new_zeros((num_heads, B, T))
+    valid = torch.zeros((num_heads, B, T), dtype=torch.bool, device=input_ids.device)
+    for k in range(1, num_heads + 1):
+        shift = k + 1
+        if shift >= T:
+            break
+        labels[k - 1, :, :-shift] = input_ids[:, shift:]
+        valid[k - 1, :, :-shift] = loss_mask[:, shift:]
+    return labels, valid
+
+
+def medusa_loss(heads: MedusaHeads, hidden_states: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                lm_head: nn.Module | None, decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Medusa-1 loss ``sum_k decay^k * CE_k`` (paper eq. 2 with lambda_k = decay^k, k 1-based) and metrics.
+
+    Each head runs only at positions where its label is valid: the LM head (V x D per token) is the cost.
+
+    Args:
+        heads: the Medusa heads.
+        hidden_states: ``[B, T, D]`` float, target last hidden states (after the final norm).
+        labels, valid: ``[K, B, T]`` from :func:`medusa_targets`.
+        lm_head: the target's LM head, or None for per-head LM heads.
+        decay: lambda base, 0.8 by default in draftheads (Medusa's code uses 0.8 too).
+    Returns:
+        the scalar loss and detached metrics ``head{k}_loss``, ``head{k}_top1``, ``head{k}_top5`` (1-based k).
+        A head without a valid position adds 0 to the loss (still in the graph) and NaN metrics, so every
+        rank has the same parameters used and the same metric keys.
+    """
+    total = hidden_states.new_zeros(())
+    metrics: dict[str, torch.Tensor] = {}
+    for k in range(labels.shape[0]):
+        positions = valid[k]
+        state = heads.blocks[k](hidden_states[positions])
+        logits = heads.head_logits(k, state, lm_head).float()
+        if logits.shape[0] == 0:
+            # Keep the head in the graph (DDP expects a gradient for every parameter on every rank).
+            total = total + 0.0 * logits.sum()
+            nan = hidden_states.new_tensor(float("nan"))
+            metrics.update({f"head{k + 1}_{m}": nan for m in ("loss", "top1", "top5")})
+            continue
+        target = labels[k][positions]
+        ce = F.cross_entropy(logits, target)
+        total = total + decay ** (k + 1) * ce
+        with torch.no_grad():
+            top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+            metrics[f"head{k + 1}_loss"] = ce.detach()
+            metrics[f"head{k + 1}_top1"] = (top5[:, 0] == target).float().mean()
+            metrics[f"head{k + 1}_top5"] = (top5 == target[:, None]).any(-1).float().mean()
+    return total, metrics

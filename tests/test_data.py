@@ -1,0 +1,399 @@
+"""Tests of the data package: prompt sources, self-distillation by the target (regenerate), tokenised rows,
+batches, rank shards and cached hidden states. The target is the tiny random Llama, built once per module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import data.regenerate as regen_mod
+from data.batching import collate, epoch_batches, rank_shard, rows_from_responses
+from data.hidden_states import attach_hidden_states
+from data.regenerate import GenerationSettings, Response, prompt_ids, regenerate
+from data.sources import (HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations, chitchat_prompts,
+                          humaneval_prompts, jsonl_prompts, load_prompts)
+from models.target import TargetSpec, TinySpec, load_target
+
+ALL = 10**9  # a limit no source reaches
+REAL_GENERATE = regen_mod._generate  # before any test monkeypatches it
+
+
+# ----------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's ops are too small for intra-op threads; they only spin on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """``(model, tokenizer, path)`` of the tiny random Llama with its ChatML tokenizer (named apart from
+    conftest's ``tiny``, which has no path)."""
+    cache_dir = tmp_path_factory.mktemp("cache")
+    return load_target(TargetSpec(name_or_path="tiny", tiny=TinySpec()), cache_dir)
+
+
+SETTINGS = GenerationSettings(max_new_tokens=8, batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def regenerated(target, tmp_path_factory):
+    """One complete regenerate() run on 5 chitchat prompts: ``(prompts, cache_file, responses)``."""
+    model, tokenizer, _ = target
+    prompts = chitchat_prompts("train", 5)
+    cache_file = tmp_path_factory.mktemp("regen") / "responses.jsonl"
+    return prompts, cache_file, regenerate(model, tokenizer, prompts, SETTINGS, cache_file, show_progress=False)
+
+
+def greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The target's greedy continuation of one unpadded prompt, cut after the end-of-turn token."""
+    out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    new = out[0, len(ids):].tolist()
+    eos = tokenizer.eos_token_id
+    return new[:new.index(eos) + 1] if eos in new else new
+
+
+class Killed(Exception):
+    """Stands for the process being killed in the middle of a run."""
+
+
+def recording_generate(calls: list, fail_after: int | None = None):
+    """A ``_generate`` that records the prompt ids it is asked for (and raises after ``fail_after`` calls)."""
+    def fake(model, tokenizer, batch, settings):
+        if fail_after is not None and len(calls) >= fail_after:
+            raise Killed
+        calls.append([list(b) for b in batch])
+        return REAL_GENERATE(model, tokenizer, batch, settings)
+    return fake
+
+
+# ----------------------------------------------------------------------------------------------- sources
+
+def test_chitchat_splits_are_disjoint_and_cover_expected_shares():
+    splits = {s: chitchat_prompts(s, ALL) for s in ("train", "val", "eval")}
+    rows = {s: {p.row for p in ps} for s, ps in splits.items()}
+    assert rows["train"].isdisjoint(rows["val"])
+    assert rows["train"].isdisjoint(rows["eval"])
+    assert rows["val"].isdisjoint(rows["eval"])
+    for ps in splits.values():
+        assert len({p.row for p in ps}) == len(ps)  # one prompt per conversation
+    # 90/5/5 by hash of the conversation id: the shares are close to those.
+    total = sum(len(ps) for ps in splits.values())
+    assert 0.87 < len(splits["train"]) / total < 0.93
+    assert 0.03 < len(splits["val"]) / total < 0.07
+    assert 0.03 < len(splits["eval"]) / total < 0.07
+    # Each prompt is one of the messages of the conversation its row names.
+    convs = chitchat_conversations()
+    for p in splits["val"]:
+        assert p.source == "chitchat"
+        assert p.text in convs[p.row].messages
+
+
+def test_chitchat_limit_and_char_bounds():
+    assert len(chitchat_prompts("train", 25)) == 25
+    assert chitchat_prompts("train", 25) == chitchat_prompts("train", 40)[:25]
+    assert all(40 <= len(p.text) <= 300 for p in chitchat_prompts("train", 500))
+    narrow = chitchat_prompts("val", ALL, min_chars=100, max_chars=120)
+    assert narrow and all(100 <= len(p.text) <= 120 for p in narrow)
+    with pytest.raises(ValueError, match="test"):
+        chitchat_prompts("test", 5)
+
+
+def test_chitchat_is_deterministic_across_processes():
+    """Same prompts in a fresh interpreter with another str-hash salt (the split must not use hash())."""
+    here = [asdict(p) for p in chitchat_prompts("eval", 30)]
+    code = ("import json; from dataclasses import asdict; from data.sources import chitchat_prompts; "
+            "print(json.dumps([asdict(p) for p in chitchat_prompts('eval', 30)]))")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert json.loads(out.stdout) == here
+
+
+def test_humaneval_prompts_come_from_the_package():
+    everything = humaneval_prompts(ALL)
+    assert len(everything) == 164
+    assert [p.row for p in everything] == list(range(164))
+    for p in everything:
+        assert p.source == "humaneval"
+        assert p.text.startswith(HUMANEVAL_INSTRUCTION)
+        assert "def " in p.text
+    assert humaneval_prompts(3) == everything[:3]
+    assert load_prompts("humaneval", "train", 2) == everything[:2]
+
+
+def test_load_prompts_rejects_unknown_source_and_jsonl_without_path():
+    with pytest.raises(ValueError, match="chitchat, humaneval, jsonl"):
+        load_prompts("alpaca", "train", 5)
+    with pytest.raises(ValueError, match="path"):
+        load_prompts("jsonl", "train", 5)
+
+
+def test_jsonl_prompts_accepts_prompt_turns_and_messages(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    lines = [{"prompt": "Plain prompt"},
+             {"turns": ["First MT-Bench turn", "second turn"], "category": "writing"},
+             None,  # a blank line: skipped, but it still counts for line numbers
+             {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "User message"},
+                           {"role": "assistant", "content": "hi"}, {"role": "user", "content": "later"}]}]
+    path.write_text("".join(("" if x is None else json.dumps(x)) + "\n" for x in lines))
+    got = jsonl_prompts(path, ALL)
+    assert got == [Prompt(str(path), 0, "Plain prompt"), Prompt(str(path), 1, "First MT-Bench turn"),
+                   Prompt(str(path), 3, "User message")]
+    assert jsonl_prompts(path, 2) == got[:2]
+    assert load_prompts("jsonl", "train", ALL, str(path)) == got
+
+
+@pytest.mark.parametrize("bad_line, expected", [
+    ('{"prompt": "unterminated', "invalid JSON"),
+    ('{"prompt": ""}', "'prompt'"),
+    ('{"prompt": 42}', "'prompt'"),
+    ('{"turns": ["   "]}', "'turns[0]'"),
+    ('{"messages": [{"role": "system", "content": "only a system message"}]}', "'messages[role=user].content'"),
+    ('{"question": "wrong key"}', "'prompt|turns|messages'"),
+    ('["not", "an", "object"]', "'prompt|turns|messages'"),
+])
+def test_jsonl_prompts_malformed_line_names_file_line_and_field(tmp_path, bad_line, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + bad_line + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    with pytest.raises(ValueError) as err:
+        jsonl_prompts(path, ALL)
+    assert f"{path}:3:" in str(err.value)
+    assert expected in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------------- prompt_ids
+
+def test_prompt_ids_needs_a_chat_template(target):
+    tokenizer = AutoTokenizer.from_pretrained(target[2])  # a separate copy: the shared one keeps its template
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        prompt_ids(tokenizer, "hello")
+
+
+def test_prompt_ids_is_chatml_with_generation_prompt(target):
+    _, tokenizer, _ = target
+    ids = prompt_ids(tokenizer, "How are you today?")
+    assert all(isinstance(i, int) for i in ids)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    text = tokenizer.decode(ids)
+    assert text == "<|im_start|>user\nHow are you today?<|im_end|>\n<|im_start|>assistant\n"
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+# ----------------------------------------------------------------------------------------------- rows
+
+def response(n_prompt: int, n_response: int, finished: bool = True, row: int = 0) -> Response:
+    """A synthetic response: prompt ids 1000.., response ids 2000.. (so a mix-up shows)."""
+    return Response("test", row, "p", list(range(1000, 1000 + n_prompt)), list(range(2000, 2000 + n_response)),
+                    finished)
+
+
+def test_rows_mask_exactly_the_response_tokens(target):
+    _, tokenizer, _ = target
+    p_ids = prompt_ids(tokenizer, "Say something nice.")
+    answer = "You are doing great."
+    r_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+    rows, report = rows_from_responses([Response("chitchat", 7, "Say something nice.", p_ids, r_ids, True)], 512)
+    (row,) = rows
+    assert row["input_ids"].tolist() == p_ids + r_ids
+    assert row["input_ids"].dtype == torch.int64 and row["loss_mask"].dtype == torch.bool
+    assert row["loss_mask"].tolist() == [False] * len(p_ids) + [True] * len(r_ids)
+    assert tokenizer.decode(row["input_ids"][row["loss_mask"]].tolist()) == answer + "<|im_end|>"
+    assert tokenizer.decode(row["input_ids"][~row["loss_mask"]].tolist()) == tokenizer.decode(p_ids)
+    assert (row["source"], row["row"]) == ("chitchat", 7)
+    assert (report.rows_in, report.rows_out, report.tokens, report.trainable_tokens) == (
+        1, 1, len(p_ids) + len(r_ids), len(r_ids))
+
+
+def test_rows_over_long_are_truncated_or_dropped_and_counted():
+    responses = [response(5, 10, row=0),              # 15 > 8, prompt leaves room: truncated to 5 + 3
+                 response(6, 5, row=1),               # 11 > 8, exactly 2 response tokens fit: truncated
+                 response(7, 5, row=2),               # 12 > 8, only 1 response token would fit: dropped
+                 response(12, 1, row=3),              # prompt alone too long: dropped
+                 response(3, 5, finished=False, row=4),  # fits exactly: kept whole
+                 response(7, 1, row=5)]               # fits (8 tokens) with a 1-token response: kept whole
+    rows, report = rows_from_responses(responses, max_length=8)
+    assert [r["row"] for r in rows] == [0, 1, 4, 5]
+    assert [r["loss_mask"].tolist() for r in rows] == [[False] * 5 + [True] * 3, [False] * 6 + [True] * 2,
+                                                       [False] * 3 + [True] * 5, [False] * 7 + [True]]
+    assert rows[0]["input_ids"].tolist() == list(range(1000, 1005)) + [2000, 2001, 2002]
+    assert all(len(r["input_ids"]) <= 8 for r in rows)
+    assert report.rows_in == 6 and report.rows_out == 4
+    assert report.dropped_too_long == 2
+    assert report.truncated == 2
+    assert report.unfinished_responses == 1
+    assert report.tokens == 8 + 8 + 8 + 8
+    assert report.trainable_tokens == 3 + 2 + 5 + 1
+
+
+@pytest.mark.parametrize("responses", [[], [response(20, 5)], [response(4, 0), response(3, 0, row=1)]],
+                         ids=["no rows", "all dropped", "empty responses"])
+def test_rows_without_trainable_token_raise(responses):
+    with pytest.raises(ValueError, match="no trainable"):
+        rows_from_responses(responses, max_length=16)
+
+
+# ----------------------------------------------------------------------------------------------- batches
+
+def test_collate_right_pads_every_key():
+    D, pad = 4, 99
+    lengths = [3, 5, 1]
+    rows = [{"input_ids": torch.arange(1, n + 1), "loss_mask": torch.tensor([i % 2 == 1 for i in range(n)]),
+             "hidden_states": torch.randn(n, D), "source": "s", "row": k} for k, n in enumerate(lengths)]
+    batch = collate(rows, pad_token_id=pad)
+    assert batch["input_ids"].shape == (3, 5) and batch["input_ids"].dtype == torch.int64
+    assert batch["attention_mask"].shape == (3, 5) and batch["attention_mask"].dtype == torch.int64
+    assert batch["loss_mask"].shape == (3, 5) and batch["loss_mask"].dtype == torch.bool
+    assert batch["hidden_states"].shape == (3, 5, D) and batch["hidden_states"].dtype == torch.float32
+    for i, (r, n) in enumerate(zip(rows, lengths)):
+        assert batch["input_ids"][i].tolist() == r["input_ids"].tolist() + [pad] * (5 - n)
+        assert batch["attention_mask"][i].tolist() == [1] * n + [0] * (5 - n)
+        assert batch["loss_mask"][i].tolist() == r["loss_mask"].tolist() + [False] * (5 - n)
+        assert torch.equal(batch["hidden_states"][i, :n], r["hidden_states"])
+        assert not batch["hidden_states"][i, n:].any()
+    assert "hidden_states" not in collate([{k: v for k, v in r.items() if k != "hidden_states"} for r in rows], 0)
+
+
+@pytest.mark.parametrize("n_rows, world_size", [(10, 1), (10, 3), (10, 4), (8, 8)])
+def test_rank_shard_equal_and_disjoint(n_rows, world_size):
+    rows = list(range(n_rows))
+    shards = [rank_shard(rows, rank, world_size) for rank in range(world_size)]
+    assert {len(s) for s in shards} == {n_rows // world_size}
+    flat = [x for s in shards for x in s]
+    assert len(set(flat)) == len(flat) == world_size * (n_rows // world_size)
+
+
+def test_rank_shard_too_few_rows():
+    with pytest.raises(ValueError, match="3 rows"):
+        rank_shard([0, 1, 2], 0, 4)
+
+
+def test_epoch_batches_deterministic_complete_and_length_grouped():
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.zeros(int(n), dtype=torch.long), "row": i}
+            for i, n in enumerate(torch.randint(1, 60, (75,), generator=g))]
+
+    def order(seed, epoch):
+        return [[r["row"] for r in b] for b in epoch_batches(rows, 4, seed, epoch)]
+
+    assert order(0, 0) == order(0, 0)
+    assert order(0, 0) != order(0, 1)
+    assert order(0, 0) != order(1, 0)
+    for seed, epoch in [(0, 0), (0, 1), (3, 7)]:
+        batches = epoch_batches(rows, 4, seed, epoch)
+        assert sorted(r["row"] for b in batches for r in b) == list(range(75))  # every row exactly once
+        assert all(1 <= len(b) <= 4 for b in batches)
+        assert sum(len(b) < 4 for b in batches) <= 1  # 75 = 2 full windows of 32 + 11: one short batch
+        for b in batches:  # sorted by length inside a window, so inside each batch too
+            lengths = [len(r["input_ids"]) for r in b]
+            assert lengths == sorted(lengths)
+
+
+# ----------------------------------------------------------------------------------------------- regenerate
+
+def test_regenerate_gives_the_targets_greedy_continuation(target, regenerated):
+    model, tokenizer, _ = target
+    prompts, cache_file, responses = regenerated
+    assert [(r.source, r.row, r.prompt) for r in responses] == [(p.source, p.row, p.text) for p in prompts]
+    assert cache_file.exists() and not cache_file.with_name(cache_file.name + ".partial").exists()
+    for p, r in zip(prompts, responses):
+        assert r.prompt_ids == prompt_ids(tokenizer, p.text)
+        assert r.response_ids == greedy(model, tokenizer, r.prompt_ids, SETTINGS.max_new_tokens)
+        assert r.finished == (r.response_ids[-1] == tokenizer.eos_token_id)
+        assert len(r.response_ids) == SETTINGS.max_new_tokens or r.finished
+    # The cache file holds exactly the returned responses, in prompt order.
+    assert [json.loads(line) for line in cache_file.read_text().splitlines()] == [asdict(r) for r in responses]
+
+
+def test_regenerate_reads_the_cache_without_generating(target, regenerated, monkeypatch):
+    model, tokenizer, _ = target
+    prompts, cache_file, responses = regenerated
+
+    def fail(*args, **kwargs):
+        raise AssertionError("generate called despite a complete cache file")
+    monkeypatch.setattr(regen_mod, "_generate", fail)
+    assert regenerate(model, tokenizer, prompts, SETTINGS, cache_file, show_progress=False) == responses
+
+
+def test_regenerate_resumes_a_killed_run(target, regenerated, tmp_path, monkeypatch):
+    model, tokenizer, _ = target
+    prompts, _, reference = regenerated
+    cache_file = tmp_path / "responses.jsonl"
+    partial = tmp_path / "responses.jsonl.partial"
+    # A killed run left two complete lines and a third one cut mid-write.
+    cut = json.dumps(asdict(reference[3]))
+    partial.write_text(json.dumps(asdict(reference[1])) + "\n" + json.dumps(asdict(reference[4])) + "\n"
+                       + cut[:len(cut) // 2])
+    calls = []
+    monkeypatch.setattr(regen_mod, "_generate", recording_generate(calls))
+    got = regenerate(model, tokenizer, prompts, SETTINGS, cache_file, show_progress=False)
+    assert got == reference
+    generated = sorted(ids for batch in calls for ids in batch)
+    assert generated == sorted(reference[i].prompt_ids for i in (0, 2, 3))  # the cut line is generated again
+    assert cache_file.exists() and not partial.exists()
+
+
+def test_regenerate_survives_a_second_kill_after_resuming(target, regenerated, tmp_path, monkeypatch):
+    """Lines appended after a cut line must stay readable: a run killed twice loses no finished batch."""
+    model, tokenizer, _ = target
+    prompts, _, reference = regenerated
+    settings = GenerationSettings(max_new_tokens=SETTINGS.max_new_tokens, batch_size=1)
+    cache_file = tmp_path / "responses.jsonl"
+    partial = tmp_path / "responses.jsonl.partial"
+    cut = json.dumps(asdict(reference[2]))
+    partial.write_text(json.dumps(asdict(reference[0])) + "\n" + cut[:20])
+    first = []
+    monkeypatch.setattr(regen_mod, "_generate", recording_generate(first, fail_after=2))
+    with pytest.raises(Killed):  # killed again after two more prompts
+        regenerate(model, tokenizer, prompts, settings, cache_file, show_progress=False)
+    assert len(first) == 2 and not cache_file.exists()
+    second = []
+    monkeypatch.setattr(regen_mod, "_generate", recording_generate(second))
+    assert regenerate(model, tokenizer, prompts, settings, cache_file, show_progress=False) == reference
+    assert len(second) == len(prompts) - 3
+    assert not {tuple(b[0]) for b in first} & {tuple(b[0]) for b in second}
+
+
+def test_batched_left_padded_generation_equals_per_prompt(target):
+    model, tokenizer, _ = target
+    texts = ["Hi!", "What did you do over the weekend? I went hiking.",
+             "I have been reading a long novel about a family that moves across the country, and every "
+             "chapter is told by a different person, which makes it slow but rewarding. Have you read it?"]
+    batch = [prompt_ids(tokenizer, t) for t in texts]
+    assert len({len(b) for b in batch}) == 3
+    settings = GenerationSettings(max_new_tokens=8)
+    together = REAL_GENERATE(model, tokenizer, batch, settings)
+    alone = [REAL_GENERATE(model, tokenizer, [ids], settings)[0] for ids in batch]
+    assert together == alone
+    assert len({tuple(r) for r, _ in together}) > 1  # the outputs depend on the prompt
+
+
+# ----------------------------------------------------------------------------------------------- hidden states
+
+def test_attach_hidden_states_matches_unpadded_forward(target):
+    model, tokenizer, _ = target
+    g = torch.Generator().manual_seed(1)
+    lengths = [5, 17, 9, 30, 2, 12, 9]
+    rows = [{"input_ids": torch.randint(3, model.config.vocab_size, (n,), generator=g),
+             "loss_mask": torch.ones(n, dtype=torch.bool), "source": "s", "row": i} for i, n in enumerate(lengths)]
+    attach_hidden_states(model, rows, batch_size=3, pad_token_id=tokenizer.pad_token_id, show_progress=False)
+    D = model.config.hidden_size
+    for r, n in zip(rows, lengths):
+        h = r["hidden_states"]
+        assert h.shape == (n, D) and h.dtype == torch.float32 and h.device.type == "cpu"
+        with torch.no_grad():
+            expected = model.base_model(input_ids=r["input_ids"][None]).last_hidden_state[0]
+        torch.testing.assert_close(h, expected, atol=1e-5, rtol=0)

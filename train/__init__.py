@@ -1,0 +1,1 @@
+"""Entry scripts (``medusa.py``, ``evaluate.py``, ``export.py``) and the training spine they share."""

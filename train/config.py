@@ -1,0 +1,140 @@
+"""Typed configuration schemas behind ``conf/`` (Hydra structured configs).
+
+``conf/medusa.yaml`` extends :class:`MedusaRunConfig`; every field is documented here, where it is
+declared, and a key that is not declared is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from data.regenerate import GenerationSettings
+from models.target import TargetSpec
+
+
+@dataclass
+class DataConfig:
+    """Training prompts, answered by the target itself (self-distillation)."""
+    source: str = "chitchat"
+    """Prompt source: chitchat (offline), humaneval (offline) or jsonl (``path``)."""
+    path: str | None = None
+    """File for source=jsonl."""
+    num_train_prompts: int = 320
+    num_val_prompts: int = 32
+    """Held-out prompts (never trained on) for validation loss, head accuracy and stage-2 drift."""
+    max_length: int = 384
+    """Tokens per row (prompt + response); longer rows are truncated or dropped, and counted."""
+    generation: GenerationSettings = field(default_factory=GenerationSettings)
+
+
+@dataclass
+class EvalSetConfig:
+    """One held-out evaluation set for the speculative evaluator."""
+    name: str = MISSING
+    source: str = MISSING
+    """chitchat (its eval split, disjoint from training), humaneval, or jsonl."""
+    path: str | None = None
+    num_prompts: int = 12
+
+
+@dataclass
+class EvalConfig:
+    """The speculative evaluator run at the end of training (and by ``train/evaluate.py``)."""
+    enabled: bool = True
+    max_new_tokens: int = 64
+    """Tokens generated per prompt, by plain greedy decoding and by speculative decoding alike."""
+    sets: list[EvalSetConfig] = field(default_factory=lambda: [
+        EvalSetConfig(name="chitchat", source="chitchat"), EvalSetConfig(name="humaneval", source="humaneval")])
+    tie_tolerance: float = 1e-4
+    """A greedy mismatch whose top-2 target logits differ by less than this is a floating-point tie."""
+
+
+@dataclass
+class MedusaConfig:
+    """The Medusa heads (arXiv 2401.10774)."""
+    num_heads: int = 4
+    num_layers: int = 1
+    """Residual blocks per head."""
+    per_head_lm_head: bool = False
+    """Give every head its own LM head (initialised from the target's); default shares the frozen one."""
+    decay: float = 0.8
+    """Head k's loss weight is decay^k."""
+
+
+@dataclass
+class StageConfig:
+    """One training stage."""
+    enabled: bool = True
+    epochs: float = 1.0
+    """Passes over the training rows (fractions allowed)."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps, whatever ``epochs`` says."""
+
+
+@dataclass
+class Stage2Config(StageConfig):
+    """Medusa-2: heads and the target's last decoder layers trained jointly."""
+    unfreeze_last_n_layers: int = 4
+    """Decoder layers unfrozen, taken from the end of the model's own layer list."""
+    backbone_lr_scale: float = 0.1
+    """Learning rate of the unfrozen layers = trainer.lr * backbone_lr_scale."""
+    kl_weight: float = 1.0
+    """Weight of the self-distillation term KL(original target || trained target) on next tokens."""
+
+
+@dataclass
+class TrainerConfig:
+    """Optimisation and the checkpoint policy, shared by every stage and drafter."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    max_grad_norm: float = 1.0
+    batch_size: int = 8
+    """Rows per process per micro-batch."""
+    grad_accum: int = 1
+    seed: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 100
+    """Optimizer steps between checkpoints (one is always written at the end of a stage)."""
+    keep_last: int = 2
+    """Checkpoints kept; older ones are deleted after a new one is complete."""
+    hidden_states_batch_size: int = 16
+    """Rows per target forward when caching hidden states."""
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracking through accelerate's trackers."""
+    name: str = "wandb"
+    """wandb (offline unless logged in), tensorboard, or none."""
+    project: str = "draftheads"
+
+
+@dataclass
+class MedusaRunConfig:
+    """``train/medusa.py``: two-stage Medusa training, evaluation and export."""
+    model: TargetSpec = field(default_factory=TargetSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    stage1: StageConfig = field(default_factory=StageConfig)
+    stage2: Stage2Config = field(default_factory=Stage2Config)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+    output_dir: str = "runs/medusa"
+    """Run directory: config.yaml, checkpoints/, report.json, plots, export/. The same on every rank."""
+    cache_dir: str = "${oc.env:DRAFTHEADS_CACHE,${oc.env:HOME}/.cache/draftheads}"
+    """Converted models and regenerated data, reused across runs."""
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir."""
+    export: bool = True
+    """Write export/vllm, export/tgi (and export/target after stage 2) at the end."""
+
+
+def register_configs() -> None:
+    """Register the schemas so ``conf/*.yaml`` can extend them (``defaults: [medusa_schema, ...]``)."""
+    cs = ConfigStore.instance()
+    cs.store(name="medusa_schema", node=MedusaRunConfig)

@@ -1,0 +1,34 @@
+"""Speculative evaluation of a finished run's heads (the same evaluator the training run ends with).
+
+    python train/evaluate.py runs/medusa
+    python train/evaluate.py runs/medusa eval.max_new_tokens=128 'eval.sets=[{name: mt, source: jsonl, path: question.jsonl, num_prompts: 80}]'
+
+Overrides are ``key=value`` pairs on the run's saved config. Updates ``report.json`` and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from train.evaluation import format_table, hardware, write_report
+from train.finish import evaluate_heads, load_saved_run
+
+
+def main(argv: list[str]) -> dict:
+    if not argv:
+        raise SystemExit(__doc__)
+    out = Path(argv[0])
+    conf, target, tokenizer, heads, _ = load_saved_run(out, argv[1:])
+    report_path = out / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads)
+    report["hardware"] = hardware()
+    print(format_table(report["eval"]))
+    print(f"report: {write_report(report, out)}")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,142 @@
+"""The speculative evaluator: plain greedy vs draft-then-verify decoding of the same held-out prompts,
+measured side by side in one run, and the report (``report.json``, a terminal table, a PNG plot).
+
+Definitions (as in the Medusa/EAGLE papers and vLLM/SGLang metrics):
+- ``acceptance_length`` (tau): tokens emitted per verification step, the bonus token included;
+- ``acceptance_rate_per_position[i]``: P(draft i accepted | drafts < i accepted) (EAGLE's n-alpha);
+- ``cumulative_acceptance_per_position[i]``: P(drafts 0..i all accepted), unconditional;
+- ``speedup``: speculative tokens/s over plain greedy tokens/s, same prompts, same process, interleaved.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from data.regenerate import prompt_ids
+from data.sources import load_prompts
+from models.speculative import ChainDrafter, DecodeResult, greedy_decode, speculative_decode
+
+
+def eval_prompts(set_cfg) -> list:
+    """Held-out prompts of one eval set (chitchat's eval split never overlaps training)."""
+    return load_prompts(set_cfg.source, "eval", set_cfg.num_prompts, set_cfg.path)
+
+
+def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
+                 tie_tolerance: float, desc: str = "eval") -> dict:
+    """Decode every prompt both ways and return the set's metrics (see module docstring)."""
+    device = next(target.parameters()).device
+    eos = tokenizer.eos_token_id
+    warm = torch.tensor(prompt_ids(tokenizer, "Hello"), device=device)
+    greedy_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
+    plain, spec, mismatches = [], [], []
+    for p in tqdm(prompts, desc=desc, unit="prompt"):
+        ids = torch.tensor(prompt_ids(tokenizer, p.text), device=device)
+        plain.append(greedy_decode(target, ids, max_new_tokens, eos))
+        spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos))
+        if plain[-1].tokens != spec[-1].tokens:
+            mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
+    return summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
+
+
+def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: float) -> dict:
+    i = next((j for j, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b),
+             min(len(plain.tokens), len(spec.tokens)))
+    gap = plain.top2_gaps[i] if i < len(plain.top2_gaps) else float("inf")
+    return {"source": prompt.source, "row": prompt.row, "first_difference": i, "top2_logit_gap": gap,
+            "tie": gap < tie_tolerance}
+
+
+def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, max_new_tokens: int,
+              mismatches: list[dict]) -> dict:
+    """Aggregate per-prompt results into the set's report entry."""
+    accepted = torch.tensor([n for r in spec for n in r.accepted_per_step])
+    steps = max(len(accepted), 1)
+    attempted = [(accepted >= i).sum().item() for i in range(gamma)]
+    passed = [(accepted >= i + 1).sum().item() for i in range(gamma)]
+    plain_tokens, spec_tokens = sum(len(r.tokens) for r in plain), sum(len(r.tokens) for r in spec)
+    plain_s, spec_s = sum(r.seconds for r in plain), sum(r.seconds for r in spec)
+    return {
+        "acceptance_length": sum(n for r in spec for n in r.emitted_per_step) / steps,
+        "acceptance_rate_per_position": [p / a if a else 0.0 for p, a in zip(passed, attempted)],
+        "cumulative_acceptance_per_position": [p / steps for p in passed],
+        "tokens_per_second": {"speculative": spec_tokens / spec_s, "baseline": plain_tokens / plain_s},
+        "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s),
+        "target_forwards_per_token": {"speculative": sum(r.target_forwards for r in spec) / spec_tokens,
+                                      "baseline": sum(r.target_forwards for r in plain) / plain_tokens},
+        "time_split_s": {"draft": sum(r.draft_seconds for r in spec), "verify": sum(r.verify_seconds for r in spec)},
+        "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, spec)) / len(plain),
+        "greedy_ties": sum(m["tie"] for m in mismatches),
+        "mismatches": mismatches,
+        "num_prompts": len(plain),
+        "max_new_tokens": max_new_tokens,
+        "gamma": gamma,
+        "new_tokens": spec_tokens,
+    }
+
+
+def hardware() -> dict:
+    """What the timings were measured on."""
+    device = "cuda:" + torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+def format_table(sets: dict) -> str:
+    """A terminal table, one line per eval set."""
+    head = f"{'set':<12}{'tau':>6}{'alpha per position':>30}{'tok/s spec':>12}{'tok/s AR':>10}{'speedup':>9}{'greedy_match':>14}"
+    lines = [head, "-" * len(head)]
+    for name, m in sets.items():
+        alphas = " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"])
+        lines.append(f"{name:<12}{m['acceptance_length']:>6.2f}{alphas:>30}{m['tokens_per_second']['speculative']:>12.1f}"
+                     f"{m['tokens_per_second']['baseline']:>10.1f}{m['speedup']:>9.2f}{m['greedy_match']:>14.2f}")
+    return "\n".join(lines)
+
+
+def plot_acceptance(sets: dict, path: str | Path) -> None:
+    """PNG of conditional acceptance rate per draft position, one line per eval set."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    for name, m in sets.items():
+        rates = m["acceptance_rate_per_position"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} (tau {m['acceptance_length']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate | previous accepted")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_report(report: dict, output_dir: str | Path) -> Path:
+    """``report.json`` and ``acceptance.png`` in the run directory."""
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.json"
+    path.write_text(json.dumps(report, indent=1))
+    if report.get("eval"):
+        plot_acceptance(report["eval"], out / "acceptance.png")
+    return path
+
+
+def flat_metrics(sets: dict) -> dict[str, float]:
+    """Tracker-friendly ``eval/<set>/<metric>`` scalars."""
+    out = {}
+    for name, m in sets.items():
+        out[f"eval/{name}/acceptance_length"] = m["acceptance_length"]
+        out[f"eval/{name}/speedup"] = m["speedup"]
+        out[f"eval/{name}/greedy_match"] = m["greedy_match"]
+        out[f"eval/{name}/tokens_per_s"] = m["tokens_per_second"]["speculative"]
+        for i, a in enumerate(m["acceptance_rate_per_position"]):
+            out[f"eval/{name}/alpha_pos{i + 1}"] = a
+    return out

@@ -1,0 +1,88 @@
+"""End of a Medusa run on the main process: validation and drift, model-only save, export, speculative
+evaluation, report. ``train/evaluate.py`` and ``train/export.py`` reuse these pieces on a saved run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from models.export.medusa import export_tgi_medusa, export_vllm_medusa, save_heads
+from models.speculative import MedusaDrafter
+from train.evaluation import eval_prompts, evaluate_set, flat_metrics, format_table, hardware, write_report
+from train.validation import validate
+
+
+def evaluate_heads(eval_cfg, target, tokenizer, heads) -> dict:
+    """Speculative evaluation of Medusa heads on every configured eval set: ``{set name: metrics}``."""
+    drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
+    return {s.name: evaluate_set(target, tokenizer, drafter, eval_prompts(s), eval_cfg.max_new_tokens,
+                                 eval_cfg.tie_tolerance, desc=f"eval {s.name}") for s in eval_cfg.sets}
+
+
+def export_all(output_dir: Path, target, tokenizer, heads, base_model: str) -> dict[str, str]:
+    """``export/vllm`` and ``export/tgi`` (Medusa heads for ``base_model``); returns their paths."""
+    lm_head = target.get_output_embeddings().weight.detach().cpu()
+    exports = output_dir / "export"
+    return {"vllm": str(export_vllm_medusa(heads.cpu(), lm_head, exports / "vllm")),
+            "tgi": str(export_tgi_medusa(heads.cpu(), lm_head, exports / "tgi", base_model))}
+
+
+def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, identity: dict, val_rows: list,
+               extra: dict) -> dict:
+    """Validate, save, export, evaluate and write ``report.json``; returns the report."""
+    out = Path(conf.output_dir)
+    heads = accelerator.unwrap_model(heads).eval()
+    val = validate(target, heads, val_rows, conf.trainer.hidden_states_batch_size, tokenizer.pad_token_id)
+    accelerator.log(val)
+    print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())), flush=True)
+
+    base_model = target_path
+    if conf.stage2.enabled:  # the target itself changed: serve it with its heads
+        base_model = str((out / "export" / "target").resolve())
+        target.save_pretrained(base_model)
+        tokenizer.save_pretrained(base_model)
+    save_heads(heads.cpu(), out / "medusa_heads", {"target": identity, "base_model": base_model})
+    heads.to(target.device)
+
+    report = {"config": json.loads(json.dumps(asdict(conf), default=str)), "target": target_path,
+              "base_model": base_model, "hardware": hardware(), "dtype": conf.model.dtype,
+              "validation": val, **extra,
+              "notes": "acceptance_length counts the bonus token; alpha is conditional on earlier positions"}
+    if conf.eval.enabled:
+        report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads)
+        accelerator.log(flat_metrics(report["eval"]))
+        print(format_table(report["eval"]), flush=True)
+    if conf.export:
+        report["exports"] = export_all(out, target, tokenizer, heads, base_model)
+        heads.to(target.device)
+    print(f"report: {write_report(report, out)}", flush=True)
+    return report
+
+
+def load_saved_run(output_dir: str | Path, overrides: list[str] = ()):
+    """A finished run's config (with ``key=value`` overrides), target and trained heads.
+
+    The target is the stage-2 export when the run had one, else the run's original target.
+    Raises ``FileNotFoundError`` when ``output_dir`` holds no finished run, ``ValueError`` when the heads
+    do not fit the target.
+    """
+    from omegaconf import OmegaConf
+
+    from models.export.medusa import load_heads
+    from models.target import TargetSpec, load_target
+    from train.config import MedusaRunConfig
+
+    out = Path(output_dir)
+    if not (out / "config.yaml").exists() or not (out / "medusa_heads").exists():
+        raise FileNotFoundError(f"{out} holds no finished Medusa run (config.yaml and medusa_heads/ expected)")
+    cfg = OmegaConf.merge(OmegaConf.structured(MedusaRunConfig), OmegaConf.load(out / "config.yaml"),
+                          OmegaConf.from_dotlist(list(overrides)))
+    conf: MedusaRunConfig = OmegaConf.to_object(cfg)
+    heads, extra = load_heads(out / "medusa_heads")
+    spec = conf.model
+    if Path(extra["base_model"]).is_dir() and (Path(extra["base_model"]) / "config.json").exists():
+        spec = TargetSpec(name_or_path=extra["base_model"], dtype=conf.model.dtype)
+    target, tokenizer, path = load_target(spec, conf.cache_dir)
+    heads.check_target(target.config.hidden_size, target.config.vocab_size, where=path)
+    return conf, target, tokenizer, heads.to(target.device).eval(), extra

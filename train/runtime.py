@@ -1,0 +1,71 @@
+"""Rank-aware setup in one place: the accelerator, its tracker, seeding and printing.
+
+Scripts never read RANK or WORLD_SIZE themselves; ``accelerate launch`` sets them and accelerate reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration, set_seed
+from omegaconf import DictConfig, OmegaConf
+
+TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
+
+
+def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
+    """An Accelerator with the configured tracker started on the main process.
+
+    W&B runs offline unless an API key is set (``WANDB_API_KEY`` or ``wandb login``), so a run never
+    blocks on a network. A resumed run reuses its W&B run id (stored in ``output_dir/wandb_run_id``).
+    Raises ``ValueError`` for an unknown tracker name, listing the valid ones.
+    """
+    if cfg.tracker.name not in TRACKERS:
+        raise ValueError(f"tracker.name={cfg.tracker.name!r} is not one of {sorted(TRACKERS)}")
+    log_with = TRACKERS[cfg.tracker.name]
+    # Without any accelerator, `accelerate launch --multi_gpu` would leave every process believing it is
+    # alone (DistributedType.NO); cpu=True makes it real DDP over gloo instead.
+    accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None, log_with=log_with,
+                              gradient_accumulation_steps=cfg.trainer.grad_accum,
+                              project_config=ProjectConfiguration(project_dir=cfg.output_dir,
+                                                                  logging_dir=str(Path(cfg.output_dir) / "logs")))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise RuntimeError(f"{launched} processes were launched but accelerate set up {accelerator.num_processes}: "
+                           f"check the accelerate config (distributed type {accelerator.distributed_type})")
+    set_seed(cfg.trainer.seed)
+    if log_with is None:
+        return accelerator
+    init_kwargs = {}
+    if log_with == "wandb" and accelerator.is_main_process:
+        if not os.environ.get("WANDB_API_KEY") and not _wandb_logged_in():
+            os.environ.setdefault("WANDB_MODE", "offline")
+        init_kwargs["wandb"] = {"name": run_name, "dir": cfg.output_dir, "id": _run_id(cfg.output_dir),
+                                "resume": "allow"}
+    accelerator.init_trackers(cfg.tracker.project, config=OmegaConf.to_container(cfg, resolve=True),
+                              init_kwargs=init_kwargs)
+    return accelerator
+
+
+def _wandb_logged_in() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.exists() and "api.wandb.ai" in netrc.read_text()
+
+
+def _run_id(output_dir: str) -> str:
+    """The W&B run id of this output directory, created on first use (main process only calls this)."""
+    path = Path(output_dir) / "wandb_run_id"
+    if not path.exists():
+        import wandb
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(wandb.util.generate_id())
+    return path.read_text().strip()
+
+
+def print0(accelerator: Accelerator, *args) -> None:
+    """Print on the main process only."""
+    if accelerator.is_main_process:
+        print(*args, flush=True)

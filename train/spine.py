@@ -1,0 +1,174 @@
+"""The training spine: one loop for every drafter and stage.
+
+A :class:`Strategy` says what differs (the trainable module and its parameter groups, forward + loss,
+which batch fields it needs); the spine does the rest the same way for all: per-rank data, AdamW with
+warmup + cosine, gradient accumulation and clipping, metrics, checkpoints and exact resume.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from accelerate import Accelerator
+from torch import nn
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from data.batching import collate, epoch_batches, rank_shard
+from train.checkpoint import save_checkpoint
+
+
+class Strategy(Protocol):
+    """What one drafter/stage contributes to the spine."""
+    name: str
+    """Stage name, used for checkpoints and metric namespaces (``stage1``)."""
+    module: nn.Module
+    """The module whose registered parameters train; ``accelerator.prepare`` wraps it."""
+    required_fields: tuple[str, ...]
+    """Batch keys the strategy reads (checked on the first batch)."""
+
+    def param_groups(self, lr: float) -> list[dict]:
+        """AdamW parameter groups (``params`` and ``lr`` each)."""
+
+    def forward_loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Scalar loss and detached metric tensors for one micro-batch (``module`` is the wrapped one)."""
+
+
+@dataclass
+class TrainState:
+    """Saved with every checkpoint: micro-batches consumed, optimizer steps taken, the LR scheduler.
+    ``history`` (not saved) holds this process's logged metrics since the stage (re)started."""
+    micro: int = 0
+    step: int = 0
+    scheduler: object = None
+    history: list = field(default_factory=list)
+
+    def state_dict(self) -> dict:
+        return {"micro": self.micro, "step": self.step, "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.micro, self.step = state["micro"], state["step"]
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+_STATES: "weakref.WeakKeyDictionary[Accelerator, TrainState]" = weakref.WeakKeyDictionary()
+
+
+def _train_state(accelerator: Accelerator, scheduler) -> TrainState:
+    """The accelerator's one registered TrainState, reset for a new stage (accelerate cannot unregister)."""
+    if accelerator not in _STATES:
+        _STATES[accelerator] = TrainState()
+        accelerator.register_for_checkpointing(_STATES[accelerator])
+    state = _STATES[accelerator]
+    state.micro, state.step, state.scheduler, state.history = 0, 0, scheduler, []
+    return state
+
+
+def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer, stage, output_dir: str,
+        pad_token_id: int, meta: dict, resume_from: str | None = None) -> TrainState:
+    """Train ``strategy`` on ``rows`` (all ranks pass the same list; each takes its own share).
+
+    Args:
+        trainer: ``TrainerConfig``; stage: ``StageConfig`` (``epochs``, ``max_steps``).
+        meta: recorded in every checkpoint (target identity...).
+        resume_from: a checkpoint of this stage to continue from (``accelerator.load_state``).
+    Returns:
+        the final :class:`TrainState`.
+    """
+    shard = rank_shard(rows, accelerator.process_index, accelerator.num_processes)
+    per_epoch = math.ceil(len(shard) / trainer.batch_size)
+    total_micro = max(1, int(stage.epochs * per_epoch))
+    total_steps = total_micro // trainer.grad_accum
+    if stage.max_steps is not None:
+        total_steps = min(total_steps, stage.max_steps)
+    total_micro = total_steps * trainer.grad_accum
+    if total_steps < 1:
+        raise ValueError(f"{strategy.name}: {len(shard)} rows per process, batch_size {trainer.batch_size} and "
+                         f"grad_accum {trainer.grad_accum} give no optimizer step; add data or epochs")
+
+    optimizer = torch.optim.AdamW(strategy.param_groups(trainer.lr), weight_decay=trainer.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, int(trainer.warmup_ratio * total_steps), total_steps)
+    # A prepared scheduler is stepped num_processes times per step by accelerate; ours steps once per
+    # optimizer step, unprepared, and is checkpointed inside the TrainState.
+    module, optimizer = accelerator.prepare(strategy.module, optimizer)
+    state = _train_state(accelerator, scheduler)
+    if resume_from:
+        accelerator.load_state(resume_from)
+        accelerator.print(f"[{strategy.name}] resumed from {resume_from} at step {state.step}")
+
+    window: dict[str, list[torch.Tensor]] = defaultdict(list)
+    tokens, t0 = 0, time.perf_counter()
+    bar = tqdm(total=total_steps, initial=state.step, desc=f"{strategy.name} training", unit="step",
+               disable=not accelerator.is_main_process)
+    epoch_cache: tuple[int, list] = (-1, [])
+    module.train()
+    while state.micro < total_micro:
+        epoch, index = divmod(state.micro, per_epoch)
+        if epoch_cache[0] != epoch:
+            epoch_cache = (epoch, epoch_batches(shard, trainer.batch_size, trainer.seed, epoch))
+        batch = _to_device(collate(epoch_cache[1][index], pad_token_id), accelerator.device)
+        _check_fields(strategy, batch)
+        with accelerator.accumulate(module):
+            loss, metrics = strategy.forward_loss(module, batch)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                metrics["grad_norm"] = torch.as_tensor(accelerator.clip_grad_norm_(module.parameters(),
+                                                                                    trainer.max_grad_norm))
+            optimizer.step()
+            if accelerator.sync_gradients:
+                scheduler.step()
+            optimizer.zero_grad()
+        state.micro += 1
+        tokens += int(batch["loss_mask"].sum())
+        window["loss"].append(loss.detach())
+        for k, v in metrics.items():
+            window[k].append(v.detach().float())
+        if not accelerator.sync_gradients:
+            continue
+        state.step += 1
+        bar.update(1)
+        if state.step % trainer.log_every == 0 or state.micro == total_micro:
+            logs = _reduce(accelerator, window, strategy.name)
+            elapsed = time.perf_counter() - t0
+            logs["perf/tokens_per_s"] = tokens * accelerator.num_processes / elapsed
+            logs.update({f"{strategy.name}/lr_group{i}": g["lr"] for i, g in enumerate(optimizer.param_groups)})
+            accelerator.log(logs, step=_global_step(meta, state.step))
+            state.history.append({"step": state.step, **logs})
+            bar.set_postfix(loss=f"{logs[f'{strategy.name}/loss']:.3f}")
+            window.clear()
+            tokens, t0 = 0, time.perf_counter()
+        if state.step % trainer.checkpoint_every == 0 or state.micro == total_micro:
+            save_checkpoint(accelerator, output_dir, {**meta, "stage": strategy.name, "step": state.step,
+                                                      "done": state.micro == total_micro}, trainer.keep_last)
+    bar.close()
+    accelerator.free_memory()  # the next stage prepares its own module and optimizer
+    return state
+
+
+def _global_step(meta: dict, step: int) -> int:
+    """Tracker step: stages follow each other on one axis."""
+    return meta.get("step_offset", 0) + step
+
+
+def _reduce(accelerator: Accelerator, window: dict, prefix: str) -> dict[str, float]:
+    """Mean over the window, then over ranks; ``.item()`` happens here only."""
+    names = sorted(window)
+    local = torch.stack([torch.stack(window[k]).nanmean() for k in names]).to(accelerator.device)
+    mean = accelerator.reduce(local, reduction="mean")
+    return {f"{prefix}/{k}": v for k, v in zip(names, mean.tolist())}
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _check_fields(strategy: Strategy, batch: dict) -> None:
+    missing = [f for f in strategy.required_fields if f not in batch]
+    if missing:
+        raise KeyError(f"{strategy.name} needs batch fields {missing}; the batch has {sorted(batch)}")

@@ -1,0 +1,120 @@
+"""Medusa's two training stages as spine strategies (Medusa paper, sections 2.2.1 and 2.2.2).
+
+- Stage 1 (Medusa-1): the target is frozen and never runs in the loop; heads train on its cached
+  last hidden states.
+- Stage 2 (Medusa-2): the last N decoder layers of the target train jointly with the heads, at a lower
+  learning rate, with a self-distillation term KL(original target || trained target) on next tokens so the
+  target's own output drifts as little as possible.
+
+Only trainable modules are registered in each strategy's module (what DDP wraps and checkpoints save);
+frozen parts are held outside registration.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from models.medusa import MedusaHeads, medusa_loss, medusa_targets
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
+
+    Raises ``ValueError`` when the architecture keeps them elsewhere.
+    """
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layer list of {type(model).__name__} "
+                     f"(looked for .layers, .h, .blocks on {type(base).__name__})")
+
+
+def _masked_next_token(loss_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: positions t whose next token t+1 is trained (the base LM head's label)."""
+    nxt = torch.zeros_like(loss_mask)
+    nxt[:, :-1] = loss_mask[:, 1:]
+    return nxt
+
+
+class _Stage1Module(nn.Module):
+    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, decay: float):
+        super().__init__()
+        self.heads = heads
+        self.frozen = (lm_head,)  # a tuple hides it from registration: not trained, not saved
+        self.decay = decay
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        return medusa_loss(self.heads, batch["hidden_states"], labels, valid, self.frozen[0], self.decay)
+
+
+class MedusaStage1:
+    """Heads only, on cached target hidden states."""
+    name = "stage1"
+    required_fields = ("input_ids", "loss_mask", "hidden_states")
+
+    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, decay: float):
+        self.module = _Stage1Module(heads, target.get_output_embeddings(), decay)
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return [{"params": [p for p in self.module.heads.parameters() if p.requires_grad], "lr": lr}]
+
+    def forward_loss(self, module, batch):
+        return module(batch)
+
+
+def self_distillation(new_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``KL(p_teacher || p_new)`` averaged over positions, and greedy agreement, for ``[N, V]`` logits."""
+    teacher = F.log_softmax(teacher_logits.float(), -1)
+    new = F.log_softmax(new_logits.float(), -1)
+    kl = F.kl_div(new, teacher, log_target=True, reduction="batchmean")
+    agree = (new.argmax(-1) == teacher.argmax(-1)).float().mean()
+    return kl, agree
+
+
+class _Stage2Module(nn.Module):
+    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float, kl_weight: float):
+        super().__init__()
+        self.heads = heads
+        self.layers = nn.ModuleList(decoder_layers(target)[-n_layers:])  # the same objects as in the target
+        self.frozen = (target,)
+        self.decay, self.kl_weight = decay, kl_weight
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        target = self.frozen[0]
+        lm_head = target.get_output_embeddings()
+        hidden = target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        head_loss, metrics = medusa_loss(self.heads, hidden, labels, valid, lm_head, self.decay)
+        positions = _masked_next_token(batch["loss_mask"])
+        kl, agree = self_distillation(lm_head(hidden[positions]), lm_head(batch["hidden_states"][positions]))
+        metrics.update(heads_loss=head_loss.detach(), kl_to_original=kl.detach(), greedy_agreement=agree)
+        return head_loss + self.kl_weight * kl, metrics
+
+
+class MedusaStage2:
+    """Heads plus the last ``n_layers`` decoder layers; ``hidden_states`` in the batch are the original
+    (stage-1) target's, the teacher of the self-distillation term."""
+    name = "stage2"
+    required_fields = ("input_ids", "attention_mask", "loss_mask", "hidden_states")
+
+    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float,
+                 kl_weight: float, backbone_lr_scale: float):
+        n_total = len(decoder_layers(target))
+        if not 1 <= n_layers <= n_total:
+            raise ValueError(f"stage2.unfreeze_last_n_layers={n_layers} must be in 1..{n_total} (decoder layers)")
+        self.module = _Stage2Module(heads, target, n_layers, decay, kl_weight)
+        self.module.layers.requires_grad_(True)
+        self.backbone_lr_scale = backbone_lr_scale
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return [{"params": list(self.module.heads.parameters()), "lr": lr},
+                {"params": list(self.module.layers.parameters()), "lr": lr * self.backbone_lr_scale}]
+
+    def forward_loss(self, module, batch):
+        return module(batch)

@@ -1,0 +1,59 @@
+"""Held-out validation: Medusa head accuracy, and how far the target drifted from the original.
+
+The drift (after stage 2) compares the trained target with the original on held-out rows, teacher-forced:
+KL(original || trained) per next token, greedy-token agreement, and response perplexity under both.
+The original's hidden states are the cached ones (``row["hidden_states"]``), so the original model is
+not kept in memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+
+from data.batching import collate
+from data.hidden_states import last_hidden_states
+from models.medusa import MedusaHeads, medusa_loss, medusa_targets
+from train.strategies import self_distillation
+
+
+@torch.inference_mode()
+def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_token_id: int) -> dict[str, float]:
+    """Metrics over ``rows`` (each with the original target's ``hidden_states``), weighted by tokens.
+
+    Returns ``val/head{k}_top1|top5|loss`` and ``drift/kl_to_original``, ``drift/greedy_agreement``,
+    ``drift/ppl_original``, ``drift/ppl_trained``, ``drift/ppl_change`` (ratio - 1).
+    """
+    device = next(target.parameters()).device
+    lm_head = target.get_output_embeddings()
+    sums: dict[str, float] = defaultdict(float)
+    weights: dict[str, float] = defaultdict(float)
+    for s in range(0, len(rows), batch_size):
+        batch = {k: v.to(device) for k, v in collate(rows[s:s + batch_size], pad_token_id).items()}
+        hidden = last_hidden_states(target, batch["input_ids"], batch["attention_mask"])
+        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)
+        _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=1.0)
+        for k, v in metrics.items():
+            n = float(valid[int(k[4:].split("_")[0]) - 1].sum())
+            if n:
+                sums[f"val/{k}"] += float(v) * n
+                weights[f"val/{k}"] += n
+        positions = torch.zeros_like(batch["loss_mask"])
+        positions[:, :-1] = batch["loss_mask"][:, 1:]
+        n = float(positions.sum())
+        new_logits, orig_logits = lm_head(hidden[positions]), lm_head(batch["hidden_states"][positions])
+        kl, agree = self_distillation(new_logits, orig_logits)
+        nxt = batch["input_ids"][:, 1:][batch["loss_mask"][:, 1:]]
+        for name, value in (("kl_to_original", kl), ("greedy_agreement", agree),
+                            ("nll_trained", F.cross_entropy(new_logits.float(), nxt)),
+                            ("nll_original", F.cross_entropy(orig_logits.float(), nxt))):
+            sums[f"drift/{name}"] += float(value) * n
+            weights[f"drift/{name}"] += n
+    out = {k: sums[k] / weights[k] for k in sums}
+    out["drift/ppl_trained"] = math.exp(out.pop("drift/nll_trained"))
+    out["drift/ppl_original"] = math.exp(out.pop("drift/nll_original"))
+    out["drift/ppl_change"] = out["drift/ppl_trained"] / out["drift/ppl_original"] - 1
+    return out
