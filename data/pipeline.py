@@ -18,10 +18,15 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     target identity, the prompts and the generation settings; a second run reads them back.
     Raises ``ValueError`` when a split ends up with no trainable token.
     """
-    train_prompts = load_prompts(data_cfg.source, "train", data_cfg.num_train_prompts, data_cfg.path)
-    val_prompts = load_prompts(data_cfg.source, "val", data_cfg.num_val_prompts, data_cfg.path)
-    if data_cfg.source != "chitchat":  # one list for both: the validation prompts come off its end
-        train_prompts, val_prompts = train_prompts[:-data_cfg.num_val_prompts], train_prompts[-data_cfg.num_val_prompts:]
+    if data_cfg.num_val_prompts < 1:
+        raise ValueError("data.num_val_prompts must be >= 1: held-out rows measure head accuracy and target drift")
+    n_train, n_val = data_cfg.num_train_prompts, data_cfg.num_val_prompts
+    if data_cfg.source == "chitchat":  # held out by conversation
+        train_prompts = load_prompts("chitchat", "train", n_train)
+        val_prompts = load_prompts("chitchat", "val", n_val)
+    else:  # one list: the validation prompts come off its end
+        prompts = load_prompts(data_cfg.source, "train", n_train + n_val, data_cfg.path)
+        train_prompts, val_prompts = prompts[:-n_val], prompts[-n_val:]
     settings = data_cfg.generation
     prompts = train_prompts + val_prompts
     cache_file = Path(cache_dir).expanduser() / "regenerated" / f"{cache_key(model_id, prompts, settings)}.jsonl"

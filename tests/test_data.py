@@ -17,8 +17,8 @@ import data.regenerate as regen_mod
 from data.batching import collate, epoch_batches, rank_shard, rows_from_responses
 from data.hidden_states import attach_hidden_states
 from data.regenerate import GenerationSettings, Response, prompt_ids, regenerate
-from data.sources import (HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations, chitchat_prompts,
-                          humaneval_prompts, jsonl_prompts, load_prompts)
+from data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
+                          chitchat_prompts, humaneval_prompts, jsonl_prompts, load_prompts)
 from models.target import TargetSpec, TinySpec, load_target
 
 ALL = 10**9  # a limit no source reaches
@@ -122,16 +122,16 @@ def test_chitchat_is_deterministic_across_processes():
     assert json.loads(out.stdout) == here
 
 
-def test_humaneval_prompts_come_from_the_package():
-    everything = humaneval_prompts(ALL)
-    assert len(everything) == 164
-    assert [p.row for p in everything] == list(range(164))
-    for p in everything:
+def test_humaneval_prompts_come_from_the_package_with_a_held_out_eval_split():
+    evaluation, training = humaneval_prompts("eval", ALL), humaneval_prompts("train", ALL)
+    assert len(evaluation) == HUMANEVAL_EVAL_ROWS and len(evaluation) + len(training) == 164
+    assert [p.row for p in evaluation + training] == list(range(164))
+    for p in evaluation + training:
         assert p.source == "humaneval"
         assert p.text.startswith(HUMANEVAL_INSTRUCTION)
         assert "def " in p.text
-    assert humaneval_prompts(3) == everything[:3]
-    assert load_prompts("humaneval", "train", 2) == everything[:2]
+    assert humaneval_prompts("eval", 3) == evaluation[:3]
+    assert load_prompts("humaneval", "train", 2) == training[:2]
 
 
 def test_load_prompts_rejects_unknown_source_and_jsonl_without_path():

@@ -111,3 +111,30 @@ def test_two_process_ddp_run(tmp_path, cache_dir, smoke_run):
     steps = report["train_curves"]["stage1"][-1]["step"]
     single = smoke_run[1]["train_curves"]["stage1"][-1]["step"]
     assert steps == single // 2
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+def test_trackers_record_the_run(tmp_path, cache_dir, monkeypatch, tracker):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / tracker
+    run(smoke_cfg(out, cache_dir, f"tracker={tracker}", "stage2.enabled=false", "eval.enabled=false",
+                  "export=false"))
+    if tracker == "wandb":
+        run_id = (out / "wandb_run_id").read_text().strip()
+        logs = list((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
+        assert logs and b"stage1/loss" in logs[0].read_bytes()
+    else:
+        assert list((out / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_per_head_lm_heads_train_export_and_stay_lossless(tmp_path, cache_dir):
+    out = tmp_path / "per_head"
+    report = run(smoke_cfg(out, cache_dir, "medusa.per_head_lm_head=true", "stage2.enabled=false"))
+    assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
+    heads, _ = load_heads(out / "medusa_heads")
+    assert heads.per_head_lm_head
+    h = torch.randn(3, heads.hidden_size)
+    for loader, folder in ((load_vllm_medusa, "vllm"), (load_tgi_medusa, "tgi")):
+        torch.testing.assert_close(loader(out / "export" / folder)(h), heads(h))
+    # trained per-head LM heads moved away from the target's
+    assert not torch.equal(heads.lm_heads[0].weight, heads.lm_heads[1].weight)

@@ -6,10 +6,11 @@ declared, and a key that is not declared is an error.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from data.regenerate import GenerationSettings
 from models.target import TargetSpec
@@ -89,6 +90,9 @@ class Stage2Config(StageConfig):
 class TrainerConfig:
     """Optimisation and the checkpoint policy, shared by every stage and drafter."""
     lr: float = 1e-3
+    mixed_precision: str = "bf16"
+    """Autocast for training forwards: bf16, fp16 or no. Weights and optimizer states stay float32; the
+    LM-head projections that dominate head training run ~2.4x faster in bf16 even on AVX512-BF16 CPUs."""
     weight_decay: float = 0.0
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
@@ -132,6 +136,29 @@ class MedusaRunConfig:
     """Continue from the latest checkpoint in output_dir."""
     export: bool = True
     """Write export/vllm, export/tgi (and export/target after stage 2) at the end."""
+
+
+def to_schema(cfg: DictConfig) -> MedusaRunConfig:
+    """The composed config as typed objects. Raises ``ValueError`` naming any key the schema does not declare
+    (Hydra lets ``+group.key=...`` add keys to a structured node; they would be silently ignored)."""
+    _reject_undeclared(cfg, "")
+    return OmegaConf.to_object(cfg)
+
+
+def _reject_undeclared(node, path: str) -> None:
+    if isinstance(node, DictConfig):
+        schema = OmegaConf.get_type(node)
+        if dataclasses.is_dataclass(schema):
+            declared = {f.name for f in dataclasses.fields(schema)}
+            unknown = sorted(set(node.keys()) - declared)
+            if unknown:
+                raise ValueError(f"unknown config key(s) {[path + k for k in unknown]}; "
+                                 f"{path.rstrip('.') or 'the root'} declares {sorted(declared)}")
+        for key in node.keys():
+            _reject_undeclared(node._get_node(key), f"{path}{key}.")
+    elif isinstance(node, ListConfig):
+        for i in range(len(node)):
+            _reject_undeclared(node._get_node(i), f"{path}{i}.")
 
 
 def register_configs() -> None:

@@ -16,8 +16,8 @@ from train.finish import export_all, load_saved_run
 def main(argv: list[str]) -> dict[str, str]:
     if not argv:
         raise SystemExit(__doc__)
-    _, target, tokenizer, heads, extra = load_saved_run(argv[0], argv[1:])
-    paths = export_all(Path(argv[0]), target, tokenizer, heads, extra["base_model"])
+    _, target, _, heads, extra = load_saved_run(argv[0], argv[1:])
+    paths = export_all(Path(argv[0]), target, heads, extra["base_model"])
     for name, path in paths.items():
         print(f"{name}: {path}")
     return paths

@@ -20,12 +20,12 @@ def evaluate_heads(eval_cfg, target, tokenizer, heads) -> dict:
                                  eval_cfg.tie_tolerance, desc=f"eval {s.name}") for s in eval_cfg.sets}
 
 
-def export_all(output_dir: Path, target, tokenizer, heads, base_model: str) -> dict[str, str]:
+def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, str]:
     """``export/vllm`` and ``export/tgi`` (Medusa heads for ``base_model``); returns their paths."""
-    lm_head = target.get_output_embeddings().weight.detach().cpu()
+    lm_head = target.get_output_embeddings().weight
     exports = output_dir / "export"
-    return {"vllm": str(export_vllm_medusa(heads.cpu(), lm_head, exports / "vllm")),
-            "tgi": str(export_tgi_medusa(heads.cpu(), lm_head, exports / "tgi", base_model))}
+    return {"vllm": str(export_vllm_medusa(heads, lm_head, exports / "vllm")),
+            "tgi": str(export_tgi_medusa(heads, lm_head, exports / "tgi", base_model))}
 
 
 def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, identity: dict, val_rows: list,
@@ -42,8 +42,7 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
         base_model = str((out / "export" / "target").resolve())
         target.save_pretrained(base_model)
         tokenizer.save_pretrained(base_model)
-    save_heads(heads.cpu(), out / "medusa_heads", {"target": identity, "base_model": base_model})
-    heads.to(target.device)
+    save_heads(heads, out / "medusa_heads", {"target": identity, "base_model": base_model})
 
     report = {"config": json.loads(json.dumps(asdict(conf), default=str)), "target": target_path,
               "base_model": base_model, "hardware": hardware(), "dtype": conf.model.dtype,
@@ -54,8 +53,7 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
         accelerator.log(flat_metrics(report["eval"]))
         print(format_table(report["eval"]), flush=True)
     if conf.export:
-        report["exports"] = export_all(out, target, tokenizer, heads, base_model)
-        heads.to(target.device)
+        report["exports"] = export_all(out, target, heads, base_model)
     print(f"report: {write_report(report, out)}", flush=True)
     return report
 

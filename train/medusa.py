@@ -24,7 +24,7 @@ from data.pipeline import describe, self_distilled_rows
 from models.medusa import MedusaHeads
 from models.target import load_target, model_identity
 from train.checkpoint import latest_checkpoint
-from train.config import MedusaRunConfig, register_configs
+from train.config import MedusaRunConfig, register_configs, to_schema
 from train.finish import finish_run
 from train.runtime import make_accelerator, print0
 from train.spine import fit
@@ -35,7 +35,7 @@ register_configs()
 
 def run(cfg: DictConfig) -> dict:
     """The whole job for a composed config; returns the report (main process) or {}."""
-    conf: MedusaRunConfig = OmegaConf.to_object(cfg)
+    conf: MedusaRunConfig = to_schema(cfg)
     accelerator = make_accelerator(cfg, run_name=Path(conf.output_dir).name)
     out = Path(conf.output_dir)
     if accelerator.is_main_process:

@@ -6,6 +6,7 @@ Scripts never read RANK or WORLD_SIZE themselves; ``accelerate launch`` sets the
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 import torch
@@ -29,9 +30,14 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     # Without any accelerator, `accelerate launch --multi_gpu` would leave every process believing it is
     # alone (DistributedType.NO); cpu=True makes it real DDP over gloo instead.
     accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None, log_with=log_with,
+                              mixed_precision=cfg.trainer.mixed_precision,
                               gradient_accumulation_steps=cfg.trainer.grad_accum,
                               project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                                                   logging_dir=str(Path(cfg.output_dir) / "logs")))
+    if accelerator.device.type == "cpu":
+        # `accelerate launch` sets OMP_NUM_THREADS=1 unless given --cpu; share the cores between local ranks.
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise RuntimeError(f"{launched} processes were launched but accelerate set up {accelerator.num_processes}: "
@@ -45,9 +51,18 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
             os.environ.setdefault("WANDB_MODE", "offline")
         init_kwargs["wandb"] = {"name": run_name, "dir": cfg.output_dir, "id": _run_id(cfg.output_dir),
                                 "resume": "allow"}
-    accelerator.init_trackers(cfg.tracker.project, config=OmegaConf.to_container(cfg, resolve=True),
-                              init_kwargs=init_kwargs)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if log_with == "tensorboard":  # its hparams take flat scalars only
+        config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(config).items()}
+    accelerator.init_trackers(cfg.tracker.project, config=config, init_kwargs=init_kwargs)
     return accelerator
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out |= _flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
 
 
 def _wandb_logged_in() -> bool:
@@ -59,9 +74,8 @@ def _run_id(output_dir: str) -> str:
     """The W&B run id of this output directory, created on first use (main process only calls this)."""
     path = Path(output_dir) / "wandb_run_id"
     if not path.exists():
-        import wandb
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(wandb.util.generate_id())
+        path.write_text(secrets.token_hex(4))  # W&B accepts any id of letters and digits
     return path.read_text().strip()
 
 

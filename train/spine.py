@@ -112,7 +112,9 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         epoch, index = divmod(state.micro, per_epoch)
         if epoch_cache[0] != epoch:
             epoch_cache = (epoch, epoch_batches(shard, trainer.batch_size, trainer.seed, epoch))
-        batch = _to_device(collate(epoch_cache[1][index], pad_token_id), accelerator.device)
+        batch = collate(epoch_cache[1][index], pad_token_id)
+        tokens += int(batch["loss_mask"].sum())  # on the CPU copy: no device sync
+        batch = _to_device(batch, accelerator.device)
         _check_fields(strategy, batch)
         with accelerator.accumulate(module):
             loss, metrics = strategy.forward_loss(module, batch)
@@ -125,7 +127,6 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
                 scheduler.step()
             optimizer.zero_grad()
         state.micro += 1
-        tokens += int(batch["loss_mask"].sum())
         window["loss"].append(loss.detach())
         for k, v in metrics.items():
             window[k].append(v.detach().float())
@@ -136,7 +137,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         if state.step % trainer.log_every == 0 or state.micro == total_micro:
             logs = _reduce(accelerator, window, strategy.name)
             elapsed = time.perf_counter() - t0
-            logs["perf/tokens_per_s"] = tokens * accelerator.num_processes / elapsed
+            logs["perf/trainable_tokens_per_s"] = tokens * accelerator.num_processes / elapsed
             logs.update({f"{strategy.name}/lr_group{i}": g["lr"] for i, g in enumerate(optimizer.param_groups)})
             accelerator.log(logs, step=_global_step(meta, state.step))
             state.history.append({"step": state.step, **logs})

@@ -34,7 +34,7 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
                      f"(looked for .layers, .h, .blocks on {type(base).__name__})")
 
 
-def _masked_next_token(loss_mask: torch.Tensor) -> torch.Tensor:
+def next_token_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: positions t whose next token t+1 is trained (the base LM head's label)."""
     nxt = torch.zeros_like(loss_mask)
     nxt[:, :-1] = loss_mask[:, 1:]
@@ -91,7 +91,7 @@ class _Stage2Module(nn.Module):
         hidden = target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
         head_loss, metrics = medusa_loss(self.heads, hidden, labels, valid, lm_head, self.decay)
-        positions = _masked_next_token(batch["loss_mask"])
+        positions = next_token_positions(batch["loss_mask"])
         kl, agree = self_distillation(lm_head(hidden[positions]), lm_head(batch["hidden_states"][positions]))
         metrics.update(heads_loss=head_loss.detach(), kl_to_original=kl.detach(), greedy_agreement=agree)
         return head_loss + self.kl_weight * kl, metrics

