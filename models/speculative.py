@@ -1,10 +1,14 @@
-"""Draft-then-verify decoding with the target's KV cache, and the plain greedy baseline it must equal.
+"""Draft-then-verify decoding with the target's KV cache, and the plain decoding it must equal.
 
-Greedy chain verification (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding", arXiv 2211.17192, the greedy special case; Medusa's chain mode): the draft model proposes
-gamma tokens from the target's last hidden state; one target forward over ``[x0, d1..d_gamma]`` scores
-them all; the longest prefix where ``d_i`` equals the target's argmax is accepted, plus the target's own
-next token (the bonus token). Output is what the target alone would produce, by construction.
+Chain verification (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding",
+arXiv 2211.17192, Algorithm 1; Chen et al. 2023, arXiv 2302.01318): the draft model proposes gamma tokens from
+the target's last hidden state; one target forward over ``[x0, d1..d_gamma]`` scores them all.
+- Greedy (temperature 0): the longest prefix where ``d_i`` is the target's argmax is accepted, plus the
+  target's own next token (the bonus token). Output equals plain greedy decoding, up to floating-point ties.
+- Sampling (temperature > 0): ``d_i ~ q_i`` is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; at
+  the first rejection the token is drawn from ``normalize(max(0, p_i - q_i))``; when every draft is accepted
+  the bonus token is drawn from ``p_{gamma+1}``. p and q get the same temperature / top-k / top-p processing
+  before the ratio. Output is distributed exactly as plain sampling from the target (lossless).
 
 Batch size 1, as in the papers' latency numbers.
 """
@@ -19,26 +23,60 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Token selection shared by the target and the draft model: ``temperature`` 0 is greedy."""
+    temperature: float = 0.0
+    top_k: int = 0
+    """Keep the k most likely tokens (0: all)."""
+    top_p: float = 1.0
+    """Keep the smallest set of tokens whose probability reaches top_p (1: all)."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``[..., V]`` logits -> float32 probabilities after temperature, top-k and top-p (in that order,
+        as transformers' ``generate`` applies them)."""
+        logits = logits.float() / self.temperature
+        if self.top_k > 0:
+            kth = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if self.top_p < 1.0:
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            cumulative = sorted_logits.softmax(-1).cumsum(-1)
+            drop_sorted = cumulative - sorted_logits.softmax(-1) >= self.top_p  # keeps the token crossing top_p
+            logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+        return logits.softmax(-1)
+
+
 class ChainDrafter(Protocol):
-    """What the evaluator needs from a draft model: gamma proposals from one hidden state."""
+    """What the evaluator needs from a draft model: logits for gamma future positions."""
     gamma: int
     """Draft length: tokens proposed per step."""
 
-    def propose(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        """``[D]`` target hidden state (after the final norm) at the last accepted position ->
-        ``[gamma]`` int64 proposed next tokens, following that position's bonus token."""
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int) -> torch.Tensor:
+        """Proposal logits ``[gamma, V]`` for the gamma tokens after ``last_token``.
+
+        Args:
+            hidden_state: ``[D]`` target hidden state (after the final norm) at the position before
+                ``last_token``, i.e. the state from which the target predicted ``last_token``.
+            last_token: the newest token (bonus token of the last step), not yet in the target's KV cache.
+        """
 
 
 class MedusaDrafter:
-    """Medusa heads as a chain drafter: head k's top-1 token (Medusa paper, section 2.1.2, chain case)."""
+    """Medusa heads as a chain drafter (Medusa paper, section 2.1.2, chain case): head k's distribution is
+    the proposal for position k; it ignores ``last_token`` (the heads see the hidden state only)."""
 
     def __init__(self, heads, lm_head):
         self.heads, self.lm_head = heads, lm_head
         self.gamma = heads.num_heads
 
     @torch.inference_mode()
-    def propose(self, hidden_state: torch.Tensor) -> torch.Tensor:
-        return self.heads(hidden_state, lm_head=self.lm_head).argmax(-1)
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int) -> torch.Tensor:
+        return self.heads(hidden_state, lm_head=self.lm_head)
 
 
 @dataclass
@@ -54,7 +92,7 @@ class DecodeResult:
     emitted_per_step: list[int] = field(default_factory=list)
     """Per verification step: tokens emitted (accepted + bonus, cut at EOS or the token budget)."""
     top2_gaps: list[float] = field(default_factory=list)
-    """Greedy only: target logit gap between its top-2 tokens at each step (ties show as tiny gaps)."""
+    """Plain decoding only: target logit gap between its top-2 tokens at each step (ties show as tiny gaps)."""
 
 
 def _forward(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
@@ -70,13 +108,46 @@ def _cut(tokens: list[int], budget: int, eos_id: int | None) -> tuple[list[int],
     return tokens[:budget], len(tokens) >= budget
 
 
+def _select(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    """One token from ``[V]`` target logits: argmax, or a draw from the processed distribution."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
+
+
+def accept_chain(draft: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor, sampling: Sampling,
+                 generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Verify one chain: ``(n accepted drafts, next token)``.
+
+    Args:
+        draft: ``[g]`` proposed tokens; draft_logits: ``[g, V]`` their proposal logits (q before processing).
+        target_logits: ``[g + 1, V]``; row i is the target's logits for the token after candidate i.
+    The next token is the bonus token (all accepted) or the corrected token at the first rejection.
+    """
+    if sampling.greedy:
+        predicted = target_logits.argmax(-1)
+        n = int((draft == predicted[:-1]).int().cumprod(0).sum())
+        return n, int(predicted[n])
+    p = sampling.probs(target_logits)
+    q = sampling.probs(draft_logits)
+    u = torch.rand(len(draft), generator=generator)
+    for i, x in enumerate(draft.tolist()):
+        if u[i] * q[i, x] < p[i, x]:  # u < min(1, p/q) without dividing by a tiny q
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p[i]
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(draft), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
 @torch.inference_mode()
-def greedy_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int,
-                  eos_id: int | None) -> DecodeResult:
-    """Plain autoregressive greedy decoding, one target forward per token (the baseline).
+def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None,
+                 sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> DecodeResult:
+    """Plain autoregressive decoding, one target forward per token (the baseline).
 
     Args:
         prompt_ids: ``[P]`` int64 on the target's device.
+        generator: CPU random generator for sampling (seeded by the caller for reproducible runs).
     """
     lm_head = target.get_output_embeddings()
     start = time.perf_counter()
@@ -84,14 +155,13 @@ def greedy_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tok
     hidden = _forward(target, prompt_ids, cache)[-1]
     result = DecodeResult(tokens=[], target_forwards=1)
     while True:
-        logits = lm_head(hidden)
-        top2 = logits.topk(2)
-        token = int(top2.indices[0])
-        result.top2_gaps.append(float(top2.values[0] - top2.values[1]))
-        result.tokens, stop = _cut(result.tokens + [token], max_new_tokens, eos_id)
+        logits = lm_head(hidden).cpu()
+        top2 = logits.topk(2).values
+        result.top2_gaps.append(float(top2[0] - top2[1]))
+        result.tokens, stop = _cut(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, eos_id)
         if stop:
             break
-        hidden = _forward(target, prompt_ids.new_tensor([token]), cache)[-1]
+        hidden = _forward(target, prompt_ids.new_tensor(result.tokens[-1:]), cache)[-1]
         result.target_forwards += 1
     result.seconds = time.perf_counter() - start
     return result
@@ -99,38 +169,41 @@ def greedy_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tok
 
 @torch.inference_mode()
 def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_ids: torch.Tensor,
-                       max_new_tokens: int, eos_id: int | None) -> DecodeResult:
-    """Greedy draft-then-verify decoding with the KV cache keeping only accepted tokens.
+                       max_new_tokens: int, eos_id: int | None, sampling: Sampling = Sampling(),
+                       generator: torch.Generator | None = None) -> DecodeResult:
+    """Chain draft-then-verify decoding; the KV cache keeps only accepted tokens.
 
     Args:
         prompt_ids: ``[P]`` int64 on the target's device.
+        generator: CPU random generator for draft sampling and acceptance (seeded by the caller).
     Returns:
-        a :class:`DecodeResult` whose ``tokens`` equal :func:`greedy_decode`'s up to floating-point ties.
+        a :class:`DecodeResult`; greedy ``tokens`` equal :func:`plain_decode`'s up to floating-point ties,
+        sampled ``tokens`` follow the same distribution.
     """
     lm_head = target.get_output_embeddings()
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
     hidden = _forward(target, prompt_ids, cache)[-1]
-    x0 = int(lm_head(hidden).argmax())
+    x0 = _select(lm_head(hidden).cpu(), sampling, generator)
     result = DecodeResult(tokens=[], target_forwards=1)
     result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
-        draft = drafter.propose(hidden)
+        q_logits = drafter.draft_logits(hidden, x0).float().cpu()
+        draft = (q_logits.argmax(-1) if sampling.greedy
+                 else torch.multinomial(sampling.probs(q_logits), 1, generator=generator)[:, 0])
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
-        states = _forward(target, torch.cat([prompt_ids.new_tensor([x0]), draft]), cache)  # [1 + gamma, D]
-        predicted = lm_head(states).argmax(-1)  # predicted[i]: the target's token after candidate i
+        states = _forward(target, torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)]), cache)
+        n, next_token = accept_chain(draft, q_logits, lm_head(states).cpu(), sampling, generator)
         result.target_forwards += 1
-        matches = (draft == predicted[:-1]).int()
-        n = int(matches.cumprod(0).sum())
         cache.crop(-(len(draft) - n))  # x0 and the accepted drafts stay; rejected drafts leave the cache
         result.verify_seconds += time.perf_counter() - t_verify
-        emitted = draft[:n].tolist() + [int(predicted[n])]
+        emitted = draft[:n].tolist() + [next_token]
         before = len(result.tokens)
         result.tokens, stop = _cut(result.tokens + emitted, max_new_tokens, eos_id)
         result.accepted_per_step.append(n)
         result.emitted_per_step.append(len(result.tokens) - before)
-        hidden, x0 = states[n], emitted[-1]
+        hidden, x0 = states[n], next_token
     result.seconds = time.perf_counter() - start
     return result

@@ -138,3 +138,14 @@ def test_per_head_lm_heads_train_export_and_stay_lossless(tmp_path, cache_dir):
         torch.testing.assert_close(loader(out / "export" / folder)(h), heads(h))
     # trained per-head LM heads moved away from the target's
     assert not torch.equal(heads.lm_heads[0].weight, heads.lm_heads[1].weight)
+
+
+def test_evaluate_a_saved_run_with_sampling(smoke_run):
+    """train/evaluate.py on the saved run, temperature 0.7: lossless sampling, no greedy_match claimed."""
+    from train.evaluate import main as evaluate_main
+    out, _ = smoke_run
+    report = evaluate_main([str(out), "eval.temperature=0.7", "eval.max_new_tokens=12"])
+    for m in report["eval"].values():
+        assert m["greedy_match"] is None and m["sampling"]["temperature"] == 0.7
+        assert 1.0 <= m["acceptance_length"] <= m["gamma"] + 1
+    assert json.loads((out / "report.json").read_text())["eval"] == json.loads(json.dumps(report["eval"]))

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 
 from data.regenerate import prompt_ids
 from models.medusa import MedusaHeads
-from models.speculative import MedusaDrafter, greedy_decode, speculative_decode
+from models.speculative import MedusaDrafter, plain_decode, speculative_decode
 from models.target import TargetSpec, load_target, resolve_target_path
 from tests.test_medusa_run import CONF
 from train.medusa import run
@@ -39,7 +39,7 @@ def test_speculative_greedy_matches_plain_greedy_on_the_real_target(smollm2):
     drafter = MedusaDrafter(heads, model.get_output_embeddings())
     for text in ("What is your favourite season and why?", "def fib(n):"):
         ids = torch.tensor(prompt_ids(tokenizer, text))
-        plain = greedy_decode(model, ids, 24, tokenizer.eos_token_id)
+        plain = plain_decode(model, ids, 24, tokenizer.eos_token_id)
         spec = speculative_decode(model, drafter, ids, 24, tokenizer.eos_token_id)
         assert spec.tokens == plain.tokens
         assert len(plain.tokens) > 5

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from models.medusa import MedusaHeads
-from models.speculative import MedusaDrafter, greedy_decode, speculative_decode
+from models.speculative import MedusaDrafter, plain_decode, speculative_decode
 from train.evaluation import summarize
 
 
@@ -12,8 +12,8 @@ class RandomDrafter:
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def propose(self, hidden_state):
-        return torch.randint(0, self.vocab, (self.gamma,))
+    def draft_logits(self, hidden_state, last_token):
+        return torch.randn(self.gamma, self.vocab) * 3
 
 
 def _prompt(tokenizer, text="Tell me about your weekend plans please"):
@@ -26,7 +26,7 @@ def test_speculative_greedy_equals_plain_greedy_with_a_random_drafter(tiny, seed
     model, tok = tiny
     torch.manual_seed(seed)
     ids = _prompt(tok)
-    plain = greedy_decode(model, ids, 40, eos_id=None)
+    plain = plain_decode(model, ids, 40, eos_id=None)
     spec = speculative_decode(model, RandomDrafter(len(tok)), ids, 40, eos_id=None)
     assert spec.tokens == plain.tokens
     assert len(plain.tokens) == 40 and plain.target_forwards == 40
@@ -42,27 +42,27 @@ def test_speculative_greedy_equals_plain_greedy_with_trained_like_heads(tiny):
     for text in ("hello there", "def add(a, b):", "what is the weather like today where you live?"):
         ids = _prompt(tok, text)
         assert speculative_decode(model, drafter, ids, 32, tok.eos_token_id).tokens == \
-            greedy_decode(model, ids, 32, tok.eos_token_id).tokens
+            plain_decode(model, ids, 32, tok.eos_token_id).tokens
 
 
 def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
     model, tok = tiny
     ids = _prompt(tok)
-    truth = greedy_decode(model, ids, 40, eos_id=None).tokens
+    truth = plain_decode(model, ids, 40, eos_id=None).tokens
 
     class Oracle:
         """Knows the target's greedy continuation; if all is accepted, step s starts at token 1 + 5 s."""
         gamma, calls = 4, 0
 
-        def propose(self, hidden_state):
+        def draft_logits(self, hidden_state, last_token):
             start = 1 + 5 * self.calls
             self.calls += 1
-            return torch.tensor(truth[start:start + 4])
+            return torch.nn.functional.one_hot(torch.tensor(truth[start:start + 4]), len(tok)).float()
 
     spec = speculative_decode(model, Oracle(), ids, 31, eos_id=None)
     assert spec.tokens == truth[:31]
     assert spec.accepted_per_step == [4] * 6 and spec.target_forwards == 7
-    m = summarize([greedy_decode(model, ids, 31, None)], [spec], 4, 31, [])
+    m = summarize([plain_decode(model, ids, 31, None)], [spec], 4, 31, [])
     assert m["acceptance_rate_per_position"] == [1.0] * 4
     assert m["acceptance_length"] == 5.0 and m["greedy_match"] == 1.0
 
@@ -70,11 +70,11 @@ def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
 def test_eos_stops_both_decoders_at_the_same_token(tiny):
     model, tok = tiny
     ids = _prompt(tok)
-    plain = greedy_decode(model, ids, 30, eos_id=None).tokens
+    plain = plain_decode(model, ids, 30, eos_id=None).tokens
     eos = plain[5]  # pretend the 6th greedy token is the end of turn
     torch.manual_seed(0)
     spec = speculative_decode(model, RandomDrafter(len(tok)), ids, 30, eos_id=eos)
-    assert spec.tokens == greedy_decode(model, ids, 30, eos_id=eos).tokens == plain[:plain.index(eos) + 1]
+    assert spec.tokens == plain_decode(model, ids, 30, eos_id=eos).tokens == plain[:plain.index(eos) + 1]
 
 
 def test_summary_counts_conditional_and_cumulative_acceptance():

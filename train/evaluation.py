@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from data.regenerate import prompt_ids
 from data.sources import load_prompts
-from models.speculative import ChainDrafter, DecodeResult, greedy_decode, speculative_decode
+from models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
 
 def eval_prompts(set_cfg) -> list:
@@ -28,20 +28,29 @@ def eval_prompts(set_cfg) -> list:
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
-                 tie_tolerance: float, desc: str = "eval") -> dict:
-    """Decode every prompt both ways and return the set's metrics (see module docstring)."""
+                 tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0, desc: str = "eval") -> dict:
+    """Decode every prompt both ways and return the set's metrics (see module docstring).
+
+    With sampling, both ways draw from seeded generators; ``greedy_match`` then only says how often two
+    independent samples coincide and is reported as None.
+    """
     device = next(target.parameters()).device
     eos = tokenizer.eos_token_id
+    generator = torch.Generator().manual_seed(seed)
     warm = torch.tensor(prompt_ids(tokenizer, "Hello"), device=device)
-    greedy_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
+    plain_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
     plain, spec, mismatches = [], [], []
     for p in tqdm(prompts, desc=desc, unit="prompt"):
         ids = torch.tensor(prompt_ids(tokenizer, p.text), device=device)
-        plain.append(greedy_decode(target, ids, max_new_tokens, eos))
-        spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos))
-        if plain[-1].tokens != spec[-1].tokens:
+        plain.append(plain_decode(target, ids, max_new_tokens, eos, sampling, generator))
+        spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos, sampling, generator))
+        if sampling.greedy and plain[-1].tokens != spec[-1].tokens:
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
-    return summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
+    metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
+    if not sampling.greedy:
+        metrics["greedy_match"] = None
+    metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    return metrics
 
 
 def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: float) -> dict:
@@ -93,8 +102,9 @@ def format_table(sets: dict) -> str:
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
         alphas = " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"])
+        match = "n/a (T>0)" if m["greedy_match"] is None else f"{m['greedy_match']:.2f}"
         lines.append(f"{name:<12}{m['acceptance_length']:>6.2f}{alphas:>30}{m['tokens_per_second']['speculative']:>12.1f}"
-                     f"{m['tokens_per_second']['baseline']:>10.1f}{m['speedup']:>9.2f}{m['greedy_match']:>14.2f}")
+                     f"{m['tokens_per_second']['baseline']:>10.1f}{m['speedup']:>9.2f}{match:>14}")
     return "\n".join(lines)
 
 
@@ -135,7 +145,8 @@ def flat_metrics(sets: dict) -> dict[str, float]:
     for name, m in sets.items():
         out[f"eval/{name}/acceptance_length"] = m["acceptance_length"]
         out[f"eval/{name}/speedup"] = m["speedup"]
-        out[f"eval/{name}/greedy_match"] = m["greedy_match"]
+        if m["greedy_match"] is not None:
+            out[f"eval/{name}/greedy_match"] = m["greedy_match"]
         out[f"eval/{name}/tokens_per_s"] = m["tokens_per_second"]["speculative"]
         for i, a in enumerate(m["acceptance_rate_per_position"]):
             out[f"eval/{name}/alpha_pos{i + 1}"] = a

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from models.export.medusa import export_tgi_medusa, export_vllm_medusa, save_heads
-from models.speculative import MedusaDrafter
+from models.speculative import MedusaDrafter, Sampling
 from train.evaluation import eval_prompts, evaluate_set, flat_metrics, format_table, hardware, write_report
 from train.validation import validate
 
@@ -16,8 +16,10 @@ from train.validation import validate
 def evaluate_heads(eval_cfg, target, tokenizer, heads) -> dict:
     """Speculative evaluation of Medusa heads on every configured eval set: ``{set name: metrics}``."""
     drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
+    sampling = Sampling(eval_cfg.temperature, eval_cfg.top_k, eval_cfg.top_p)
     return {s.name: evaluate_set(target, tokenizer, drafter, eval_prompts(s), eval_cfg.max_new_tokens,
-                                 eval_cfg.tie_tolerance, desc=f"eval {s.name}") for s in eval_cfg.sets}
+                                 eval_cfg.tie_tolerance, sampling, eval_cfg.seed, desc=f"eval {s.name}")
+            for s in eval_cfg.sets}
 
 
 def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, str]:

@@ -1,0 +1,151 @@
+"""Speculative sampling is lossless: its outputs follow the target's own sampling distribution.
+
+Chi-square tests at significance 1e-3 with enough samples that the classic bugs (sampling the correction
+from p instead of max(0, p - q), dropping the bonus token, processing p and q differently) fail; the test's
+power is checked on those buggy rules too.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from models.speculative import Sampling, accept_chain, plain_decode, speculative_decode
+
+Z_999 = 3.0902  # standard normal quantile for 1 - 1e-3
+
+
+def chi2_critical(df: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-3."""
+    return df * (1 - 2 / (9 * df) + Z_999 * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_rejects(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson's test of observed ``counts`` against ``probs`` (cells with expected < 5 pooled); no
+    observation at all rejects too."""
+    n = counts.sum()
+    if n == 0:
+        return True
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat > chi2_critical(int(keep.sum()) - 1)
+
+
+V, G, N = 6, 2, 8_000
+SAMPLING = Sampling(temperature=0.7, top_k=5)
+
+
+def _emitted(rule, target_logits, draft_logits, sampling, generator):
+    """Samples of (first, second, third) emitted tokens, -1 where the step emitted fewer."""
+    q = sampling.probs(draft_logits)
+    out = torch.full((N, 3), -1)
+    for s in range(N):
+        draft = torch.multinomial(q, 1, generator=generator)[:, 0]
+        n, nxt = rule(draft, draft_logits, target_logits, sampling, generator)
+        seq = draft[:n].tolist() + [nxt]
+        out[s, :min(3, len(seq))] = torch.tensor(seq[:3])
+    return out
+
+
+def _position_rejections(samples, probs):
+    """Which of the first three emitted positions reject ``probs[i]`` (the target's context-free p_i)."""
+    return [chi2_rejects(torch.bincount(samples[samples[:, i] >= 0, i], minlength=V), probs[i]) for i in range(3)]
+
+
+def _wrong_residual(draft, draft_logits, target_logits, sampling, generator):
+    p, q = sampling.probs(target_logits), sampling.probs(draft_logits)
+    for i, x in enumerate(draft.tolist()):
+        if torch.rand(1, generator=generator) * q[i, x] >= p[i, x]:
+            return i, int(torch.multinomial(p[i], 1, generator=generator))  # bug: p, not max(0, p - q)
+    return len(draft), int(torch.multinomial(p[-1], 1, generator=generator))
+
+
+def _no_bonus(draft, draft_logits, target_logits, sampling, generator):
+    n, nxt = accept_chain(draft, draft_logits, target_logits, sampling, generator)
+    return (n, nxt) if n < len(draft) else (n - 1, int(draft[-1]))  # bug: last draft repeated, no bonus
+
+
+def _hot_draft(draft, draft_logits, target_logits, sampling, generator):
+    return accept_chain(draft, draft_logits * 2.0, target_logits, sampling, generator)  # bug: q at another T
+
+
+@pytest.fixture(scope="module")
+def logits():
+    g = torch.Generator().manual_seed(0)
+    target = torch.randn(G + 1, V, generator=g) * 1.5
+    return target, target[:G] + torch.randn(G, V, generator=g)  # a drafter that is often right
+
+
+def test_every_emitted_position_follows_the_target_distribution(logits):
+    target_logits, draft_logits = logits
+    samples = _emitted(accept_chain, target_logits, draft_logits, SAMPLING, torch.Generator().manual_seed(1))
+    assert _position_rejections(samples, SAMPLING.probs(target_logits)) == [False, False, False]
+    assert (samples[:, 2] >= 0).float().mean() > 0.3  # the third position, the bonus token, is exercised
+
+
+@pytest.mark.parametrize("bug", [_wrong_residual, _no_bonus, _hot_draft])
+def test_the_test_catches_classic_bugs(logits, bug):
+    target_logits, draft_logits = logits
+    samples = _emitted(bug, target_logits, draft_logits, SAMPLING, torch.Generator().manual_seed(2))
+    assert any(_position_rejections(samples, SAMPLING.probs(target_logits)))
+
+
+def test_greedy_acceptance_is_the_longest_matching_prefix():
+    target_logits = torch.full((4, 5), -10.0)
+    target_logits[[0, 1, 2, 3], [1, 2, 3, 4]] = 0.0  # the target wants 1, 2, 3 then 4
+    n, nxt = accept_chain(torch.tensor([1, 2, 0]), torch.zeros(3, 5), target_logits, Sampling())
+    assert (n, nxt) == (2, 3)
+    n, nxt = accept_chain(torch.tensor([1, 2, 3]), torch.zeros(3, 5), target_logits, Sampling())
+    assert (n, nxt) == (3, 4)
+
+
+def test_top_k_and_top_p_processing():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert (Sampling(1.0, top_k=2).probs(logits)[2:] == 0).all()
+    p = Sampling(1.0, top_p=0.7).probs(logits)  # softmax: 0.64, 0.24, ...: the first two cross 0.7
+    assert (p[:2] > 0).all() and (p[2:] == 0).all()
+    torch.testing.assert_close(Sampling(0.5).probs(logits), (logits / 0.5).softmax(-1))
+
+
+class _FixedDrafter:
+    gamma = 2
+
+    def __init__(self, vocab):
+        self.logits = torch.randn(self.gamma, vocab, generator=torch.Generator().manual_seed(5)) * 2
+
+    def draft_logits(self, hidden_state, last_token):
+        return self.logits
+
+
+def test_speculative_sampling_end_to_end_matches_the_target_joint_distribution():
+    """First two generated tokens of a small-vocabulary random Llama: speculative vs the exact joint."""
+    torch.manual_seed(0)
+    vocab = 5
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.5)
+    prompt = torch.tensor([1, 2, 3])
+    sampling = Sampling(temperature=0.8)
+    with torch.no_grad():
+        first = sampling.probs(model(prompt[None]).logits[0, -1])
+        seconds = torch.stack([sampling.probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1])
+                               for a in range(vocab)])
+    joint = (first[:, None] * seconds).flatten()
+    gen = torch.Generator().manual_seed(3)
+    drafter = _FixedDrafter(vocab)
+    counts = torch.zeros(vocab * vocab, dtype=torch.long)
+    for _ in range(2500):
+        a, b = speculative_decode(model, drafter, prompt, 2, None, sampling, gen).tokens
+        counts[a * vocab + b] += 1
+    assert not chi2_rejects(counts, joint)
+    plain = torch.zeros_like(counts)
+    for _ in range(500):  # the baseline samples the same distribution (sanity of the helper itself)
+        a, b = plain_decode(model, prompt, 2, None, sampling, gen).tokens
+        plain[a * vocab + b] += 1
+    assert not chi2_rejects(plain, joint)
