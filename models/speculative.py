@@ -207,3 +207,24 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         hidden, x0 = states[n], next_token
     result.seconds = time.perf_counter() - start
     return result
+
+
+@torch.inference_mode()
+def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int,
+                         eos_id: int | None, num_tokens: int = 10) -> DecodeResult:
+    """Greedy prompt-lookup decoding (Saxena 2023) exactly as users run it: transformers' ``generate`` with
+    ``prompt_lookup_num_tokens``. A model-free peer: drafts are n-gram continuations copied from the context.
+
+    Target forwards are counted with a forward hook (generate does not expose per-step acceptance).
+    """
+    forwards = []
+    hook = target.register_forward_hook(lambda *_: forwards.append(1))
+    start = time.perf_counter()
+    try:
+        out = target.generate(prompt_ids[None], attention_mask=torch.ones_like(prompt_ids[None]),
+                              max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=num_tokens,
+                              eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0)
+    finally:
+        hook.remove()
+    tokens, _ = _cut(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos_id)
+    return DecodeResult(tokens=tokens, target_forwards=len(forwards), seconds=time.perf_counter() - start)

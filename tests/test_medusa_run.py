@@ -42,6 +42,8 @@ def test_smoke_run_trains_evaluates_and_exports(smoke_run):
         assert m["greedy_match"] == 1.0, (name, m["mismatches"])
         assert 1.0 <= m["acceptance_length"] <= m["gamma"] + 1
         assert m["num_prompts"] > 0 and m["new_tokens"] > 0
+        peer = m["peers"]["prompt_lookup"]  # transformers' prompt lookup, measured beside the heads
+        assert peer["greedy_match"] == 1.0 and peer["acceptance_length"] >= 1.0
     # stage-1 loss falls; heads beat chance (vocab 512) on held-out rows by far
     curve = [h["stage1/loss"] for h in report["train_curves"]["stage1"]]
     assert sum(curve[-3:]) < 0.9 * sum(curve[:3])

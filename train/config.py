@@ -58,6 +58,9 @@ class EvalConfig:
     top_p: float = 1.0
     seed: int = 0
     """Seed of the sampling generator (baseline and speculative draw from it in turn)."""
+    prompt_lookup_tokens: int = 10
+    """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
+    greedy only; 0 skips it."""
 
 
 @dataclass

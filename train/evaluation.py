@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 
 from data.regenerate import prompt_ids
 from data.sources import load_prompts
-from models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
+from models.speculative import (ChainDrafter, DecodeResult, Sampling, plain_decode, prompt_lookup_decode,
+                                speculative_decode)
 
 
 def eval_prompts(set_cfg) -> list:
@@ -28,29 +29,48 @@ def eval_prompts(set_cfg) -> list:
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
-                 tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0, desc: str = "eval") -> dict:
+                 tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0, prompt_lookup_tokens: int = 0,
+                 desc: str = "eval") -> dict:
     """Decode every prompt both ways and return the set's metrics (see module docstring).
 
     With sampling, both ways draw from seeded generators; ``greedy_match`` then only says how often two
-    independent samples coincide and is reported as None.
+    independent samples coincide and is reported as None. With ``prompt_lookup_tokens`` > 0 and greedy
+    decoding, transformers' prompt-lookup decoding runs on the same prompts as a peer (``peers``).
     """
     device = next(target.parameters()).device
     eos = tokenizer.eos_token_id
     generator = torch.Generator().manual_seed(seed)
     warm = torch.tensor(prompt_ids(tokenizer, "Hello"), device=device)
     plain_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
-    plain, spec, mismatches = [], [], []
+    lookup = prompt_lookup_tokens > 0 and sampling.greedy
+    plain, spec, peer, mismatches = [], [], [], []
     for p in tqdm(prompts, desc=desc, unit="prompt"):
         ids = torch.tensor(prompt_ids(tokenizer, p.text), device=device)
         plain.append(plain_decode(target, ids, max_new_tokens, eos, sampling, generator))
         spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos, sampling, generator))
+        if lookup:
+            peer.append(prompt_lookup_decode(target, ids, max_new_tokens, eos, prompt_lookup_tokens))
         if sampling.greedy and plain[-1].tokens != spec[-1].tokens:
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
     metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
+    if lookup:
+        metrics["peers"] = {"prompt_lookup": _peer_summary(plain, peer)}
     if not sampling.greedy:
         metrics["greedy_match"] = None
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     return metrics
+
+
+def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult]) -> dict:
+    """tau (tokens per verification forward: after the prefill's token), tokens/s, speedup over the same
+    baseline, and greedy agreement of a peer method."""
+    verify_forwards = sum(r.target_forwards - 1 for r in peer)
+    tps = sum(len(r.tokens) for r in peer) / sum(r.seconds for r in peer)
+    return {"acceptance_length": sum(len(r.tokens) - 1 for r in peer) / max(verify_forwards, 1),
+            "tokens_per_second": tps,
+            "speedup": tps / (sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)),
+            "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
+            "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
 
 
 def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: float) -> dict:
@@ -97,14 +117,18 @@ def hardware() -> dict:
 
 
 def format_table(sets: dict) -> str:
-    """A terminal table, one line per eval set."""
-    head = f"{'set':<12}{'tau':>6}{'alpha per position':>30}{'tok/s spec':>12}{'tok/s AR':>10}{'speedup':>9}{'greedy_match':>14}"
+    """A terminal table: per eval set, the drafter under test and any peer measured beside it."""
+    head = (f"{'set':<11}{'method':<15}{'tau':>6}{'alpha per position':>26}{'tok/s':>8}{'AR tok/s':>10}"
+            f"{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
-        alphas = " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"])
-        match = "n/a (T>0)" if m["greedy_match"] is None else f"{m['greedy_match']:.2f}"
-        lines.append(f"{name:<12}{m['acceptance_length']:>6.2f}{alphas:>30}{m['tokens_per_second']['speculative']:>12.1f}"
-                     f"{m['tokens_per_second']['baseline']:>10.1f}{m['speedup']:>9.2f}{match:>14}")
+        rows = [("draft model", m, " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"]),
+                 m["tokens_per_second"]["speculative"])]
+        rows += [(peer, p, "", p["tokens_per_second"]) for peer, p in m.get("peers", {}).items()]
+        for method, r, alphas, tps in rows:
+            match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
+            lines.append(f"{name:<11}{method:<15}{r['acceptance_length']:>6.2f}{alphas:>26}{tps:>8.1f}"
+                         f"{m['tokens_per_second']['baseline']:>10.1f}{r['speedup']:>9.2f}{match:>14}")
     return "\n".join(lines)
 
 

@@ -18,7 +18,8 @@ def evaluate_heads(eval_cfg, target, tokenizer, heads) -> dict:
     drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
     sampling = Sampling(eval_cfg.temperature, eval_cfg.top_k, eval_cfg.top_p)
     return {s.name: evaluate_set(target, tokenizer, drafter, eval_prompts(s), eval_cfg.max_new_tokens,
-                                 eval_cfg.tie_tolerance, sampling, eval_cfg.seed, desc=f"eval {s.name}")
+                                 eval_cfg.tie_tolerance, sampling, eval_cfg.seed, eval_cfg.prompt_lookup_tokens,
+                                 desc=f"eval {s.name}")
             for s in eval_cfg.sets}
 
 
