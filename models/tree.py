@@ -1,0 +1,193 @@
+"""Medusa tree verification (Medusa paper, arXiv 2401.10774, section 2.1.2 "Tree Attention" and 2.3.1
+"Typical Acceptance"): candidates from the top-k of each draft position are arranged in a sparse tree and
+the target verifies the whole tree in one forward pass with a tree attention mask; the KV cache then keeps
+only the accepted path.
+
+A tree is given by ``medusa_choices``: a list of paths of top-k indices, e.g. ``(0,)`` = head 1's top-1,
+``(0, 2)`` = head 2's top-3 following head 1's top-1 (the same format as Medusa's ``medusa_choices.py``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from models.speculative import ChainDrafter, DecodeResult, _cut, _forward
+
+
+@dataclass(frozen=True)
+class Tree:
+    """A candidate tree: node 0 is the root (the last emitted token), nodes 1..N the ``paths`` in order.
+
+    Attributes:
+        paths: the node paths, sorted by depth then index (parents always precede children).
+        parent: ``[N + 1]`` index of each node's parent (-1 for the root).
+        depth: ``[N + 1]`` depth (root 0); node i proposes a token for draft position ``depth - 1``.
+        rank: ``[N + 1]`` which top-k candidate of its position node i takes (root -1).
+    """
+    paths: tuple[tuple[int, ...], ...]
+    parent: tuple[int, ...]
+    depth: tuple[int, ...]
+    rank: tuple[int, ...]
+
+    @classmethod
+    def from_choices(cls, choices, num_positions: int) -> "Tree":
+        """Build a tree from ``medusa_choices``.
+
+        Raises ``ValueError`` when a path is deeper than the drafter has positions (heads), when a path's
+        prefix is missing, or for an empty or negative path.
+        """
+        paths = sorted({tuple(int(i) for i in c) for c in choices}, key=lambda p: (len(p), p))
+        index = {(): 0}
+        parent, depth, rank = [-1], [0], [-1]
+        for p in paths:
+            if not p or min(p) < 0:
+                raise ValueError(f"medusa_choices: path {list(p)} must be non-empty with indices >= 0")
+            if len(p) > num_positions:
+                raise ValueError(f"medusa_choices: path {list(p)} has depth {len(p)} but the drafter proposes only "
+                                 f"{num_positions} positions (heads); use paths of at most {num_positions} steps")
+            if p[:-1] not in index:
+                raise ValueError(f"medusa_choices: path {list(p)} has no parent {list(p[:-1])} in the tree")
+            index[p] = len(parent)
+            parent.append(index[p[:-1]])
+            depth.append(len(p))
+            rank.append(p[-1])
+        return cls(tuple(paths), tuple(parent), tuple(depth), tuple(rank))
+
+    @property
+    def max_rank(self) -> int:
+        return max(self.rank) + 1 if len(self.rank) > 1 else 1
+
+    def attention(self) -> torch.Tensor:
+        """``[N + 1, N + 1]`` bool: node i sees node j iff j is i or one of its ancestors."""
+        n = len(self.parent)
+        allow = torch.zeros(n, n, dtype=torch.bool)
+        for i in range(n):
+            j = i
+            while j >= 0:
+                allow[i, j] = True
+                j = self.parent[j]
+        return allow
+
+
+def default_choices(topk_accuracy: list[list[float]], budget: int = 64) -> list[tuple[int, ...]]:
+    """A tree grown greedily for the largest expected acceptance length (as Medusa's tree search does).
+
+    Args:
+        topk_accuracy: ``[K][k]``: the measured probability that draft position k's rank-r candidate is the
+            target's token (given the earlier positions accepted).
+        budget: number of nodes.
+    The expected number of accepted tokens is the sum over nodes of the product of accuracies along their
+    path; each step adds the child with the largest such product.
+    """
+    chosen: list[tuple[int, ...]] = []
+    value = {(): 1.0}
+    frontier = {(r,): topk_accuracy[0][r] for r in range(len(topk_accuracy[0]))}
+    while frontier and len(chosen) < budget:
+        best = max(frontier, key=lambda p: (frontier[p], [-i for i in p]))
+        value[best] = frontier.pop(best)
+        chosen.append(best)
+        if len(best) < len(topk_accuracy):
+            accs = topk_accuracy[len(best)]
+            frontier.update({best + (r,): value[best] * accs[r] for r in range(len(accs))})
+    return chosen
+
+
+@dataclass(frozen=True)
+class TypicalAcceptance:
+    """Medusa's typical acceptance (paper eq. 3): accept x if p(x) > min(epsilon, delta * exp(-H(p))),
+    p at ``temperature``. Faster, not lossless: reports mark it so."""
+    epsilon: float = 0.09
+    delta: float = 0.3
+    temperature: float = 0.7
+
+
+def _keep_path(cache: DynamicCache, past: int, nodes: list[int]) -> None:
+    """Drop every tree node from the cache but ``nodes`` (root and accepted path, in order)."""
+    index = torch.tensor(nodes) + past
+    for layer in cache.layers:
+        layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.index_select(-2, index.to(layer.keys.device))], -2)
+        layer.values = torch.cat([layer.values[..., :past, :],
+                                  layer.values.index_select(-2, index.to(layer.values.device))], -2)
+
+
+def _accepted(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, typical: TypicalAcceptance | None) -> torch.Tensor:
+    """``[N + 1]`` bool: node i's token accepted given its parent's target distribution (root: True)."""
+    parent = torch.tensor(tree.parent[1:])
+    if typical is None:
+        ok = tokens[1:] == logits[parent].argmax(-1)
+    else:
+        p = (logits[parent].float() / typical.temperature).softmax(-1)
+        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+        threshold = torch.minimum(torch.full_like(entropy, typical.epsilon), typical.delta * (-entropy).exp())
+        ok = p.gather(-1, tokens[1:, None])[:, 0] > threshold
+    accepted = torch.ones(len(tree.parent), dtype=torch.bool)
+    for i in range(1, len(tree.parent)):  # a node counts only when its whole path does
+        accepted[i] = ok[i - 1] and accepted[tree.parent[i]]
+    return accepted
+
+
+@torch.inference_mode()
+def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prompt_ids: torch.Tensor,
+                max_new_tokens: int, eos_id: int | None, typical: TypicalAcceptance | None = None) -> DecodeResult:
+    """Greedy (default) or typical-acceptance decoding with tree verification.
+
+    Args:
+        drafter: proposes ``[gamma, V]`` logits; gamma must be >= the tree depth.
+        prompt_ids: ``[P]`` int64 on the target's device.
+    Returns:
+        a :class:`DecodeResult`; with greedy acceptance ``tokens`` equal plain greedy decoding up to
+        floating-point ties. ``accepted_per_step`` counts accepted tree nodes on the chosen path.
+    Raises:
+        ValueError: the tree is deeper than the drafter's gamma.
+    """
+    if max(tree.depth) > drafter.gamma:
+        raise ValueError(f"the tree has depth {max(tree.depth)} but the drafter proposes {drafter.gamma} positions")
+    lm_head = target.get_output_embeddings()
+    device = prompt_ids.device
+    depth = torch.tensor(tree.depth, device=device)
+    allow = tree.attention().to(device)
+    rows = torch.tensor(tree.depth[1:]) - 1
+    ranks = torch.tensor(tree.rank[1:])
+    start = time.perf_counter()
+    cache = DynamicCache(config=target.config)
+    hidden = _forward(target, prompt_ids, cache)[-1]
+    x0 = int(lm_head(hidden).argmax())
+    result = DecodeResult(tokens=[], target_forwards=1)
+    result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
+    while not stop:
+        t = time.perf_counter()
+        top = drafter.draft_logits(hidden, x0).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
+        tokens = torch.cat([torch.tensor([x0]), top[rows, ranks]])
+        t_verify = time.perf_counter()
+        result.draft_seconds += t_verify - t
+        past = cache.get_seq_length()
+        mask = torch.zeros(1, 1, len(tokens), past + len(tokens), device=device, dtype=hidden.dtype)
+        mask[..., past:] = torch.where(allow, 0.0, float("-inf"))
+        states = target.base_model(input_ids=tokens[None].to(device), attention_mask=mask,
+                                   position_ids=(past + depth)[None], cache=cache, use_cache=True).last_hidden_state[0]
+        logits = lm_head(states).cpu()
+        result.target_forwards += 1
+        accepted = _accepted(tree, tokens, logits, typical)
+        best = max(range(len(tokens)), key=lambda i: (tree.depth[i] * bool(accepted[i]), -i))
+        path = []
+        node = best
+        while node > 0:
+            path.append(node)
+            node = tree.parent[node]
+        path.reverse()
+        _keep_path(cache, past, [0] + path)
+        result.verify_seconds += time.perf_counter() - t_verify
+        bonus = int(logits[best].argmax())
+        emitted = [int(tokens[i]) for i in path] + [bonus]
+        before = len(result.tokens)
+        result.tokens, stop = _cut(result.tokens + emitted, max_new_tokens, eos_id)
+        result.accepted_per_step.append(len(path))
+        result.emitted_per_step.append(len(result.tokens) - before)
+        hidden, x0 = states[best], bonus
+    result.seconds = time.perf_counter() - start
+    return result
