@@ -42,8 +42,9 @@ def test_smoke_run_trains_evaluates_and_exports(smoke_run):
         assert m["greedy_match"] == 1.0, (name, m["mismatches"])
         assert 1.0 <= m["acceptance_length"] <= m["gamma"] + 1
         assert m["num_prompts"] > 0 and m["new_tokens"] > 0
-        peer = m["peers"]["prompt_lookup"]  # transformers' prompt lookup, measured beside the heads
-        assert peer["greedy_match"] == 1.0 and peer["acceptance_length"] >= 1.0
+        for peer in ("medusa_tree", "prompt_lookup"):  # measured beside the chain on the same prompts
+            assert m["peers"][peer]["greedy_match"] == 1.0 and m["peers"][peer]["acceptance_length"] >= 1.0
+    assert len(report["head_rank_accuracy"]) == 4 and report["head_rank_accuracy"][0][0] > 0
     # stage-1 loss falls; heads beat chance (vocab 512) on held-out rows by far
     curve = [h["stage1/loss"] for h in report["train_curves"]["stage1"]]
     assert sum(curve[-3:]) < 0.9 * sum(curve[:3])
@@ -150,4 +151,5 @@ def test_evaluate_a_saved_run_with_sampling(smoke_run):
     for m in report["eval"].values():
         assert m["greedy_match"] is None and m["sampling"]["temperature"] == 0.7
         assert 1.0 <= m["acceptance_length"] <= m["gamma"] + 1
+        assert set(m["peers"]) == {"medusa_tree_typical"}  # prompt lookup is greedy-only
     assert json.loads((out / "report.json").read_text())["eval"] == json.loads(json.dumps(report["eval"]))

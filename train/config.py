@@ -58,6 +58,16 @@ class EvalConfig:
     top_p: float = 1.0
     seed: int = 0
     """Seed of the sampling generator (baseline and speculative draw from it in turn)."""
+    tree: bool = True
+    """Also measure Medusa tree verification (greedy, or typical acceptance when ``typical``)."""
+    medusa_choices: list[list[int]] | None = None
+    """The tree as paths of top-k indices (Medusa's format); default: grown from the heads' measured rank
+    accuracies for ``tree_budget`` nodes."""
+    tree_budget: int = 64
+    typical: bool = False
+    """Typical acceptance for the tree (Medusa paper eq. 3): faster, not lossless; reported as such."""
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
     greedy only; 0 skips it."""

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> dict:
     conf, target, tokenizer, heads, _ = load_saved_run(out, argv[1:])
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads)
+    report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads, report.get("head_rank_accuracy"))
     report["hardware"] = hardware()
     print(format_table(report["eval"]))
     print(f"report: {write_report(report, out)}")

@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import platform
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm.auto import tqdm
 
 from data.regenerate import prompt_ids
 from data.sources import load_prompts
-from models.speculative import (ChainDrafter, DecodeResult, Sampling, plain_decode, prompt_lookup_decode,
-                                speculative_decode)
+from models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
 
 def eval_prompts(set_cfg) -> list:
@@ -29,48 +29,63 @@ def eval_prompts(set_cfg) -> list:
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
-                 tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0, prompt_lookup_tokens: int = 0,
-                 desc: str = "eval") -> dict:
-    """Decode every prompt both ways and return the set's metrics (see module docstring).
+                 tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0,
+                 peers: dict[str, Callable[[torch.Tensor], DecodeResult]] | None = None, desc: str = "eval") -> dict:
+    """Decode every prompt with the baseline, the chain drafter and each peer; return the set's metrics.
 
-    With sampling, both ways draw from seeded generators; ``greedy_match`` then only says how often two
-    independent samples coincide and is reported as None. With ``prompt_lookup_tokens`` > 0 and greedy
-    decoding, transformers' prompt-lookup decoding runs on the same prompts as a peer (``peers``).
+    Args:
+        peers: other methods measured on the same prompts, ``name -> decode(prompt_ids) -> DecodeResult``
+            (tree verification, prompt lookup...); reported under ``peers``.
+    With sampling, every method draws from seeded generators; ``greedy_match`` then only says how often two
+    independent samples coincide and is reported as None.
     """
     device = next(target.parameters()).device
     eos = tokenizer.eos_token_id
+    peers = peers or {}
     generator = torch.Generator().manual_seed(seed)
     warm = torch.tensor(prompt_ids(tokenizer, "Hello"), device=device)
     plain_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
-    lookup = prompt_lookup_tokens > 0 and sampling.greedy
-    plain, spec, peer, mismatches = [], [], [], []
+    plain, spec, mismatches = [], [], []
+    others: dict[str, list[DecodeResult]] = {name: [] for name in peers}
     for p in tqdm(prompts, desc=desc, unit="prompt"):
         ids = torch.tensor(prompt_ids(tokenizer, p.text), device=device)
         plain.append(plain_decode(target, ids, max_new_tokens, eos, sampling, generator))
         spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos, sampling, generator))
-        if lookup:
-            peer.append(prompt_lookup_decode(target, ids, max_new_tokens, eos, prompt_lookup_tokens))
+        for name, decode in peers.items():
+            others[name].append(decode(ids))
         if sampling.greedy and plain[-1].tokens != spec[-1].tokens:
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
     metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
-    if lookup:
-        metrics["peers"] = {"prompt_lookup": _peer_summary(plain, peer)}
+    if peers:
+        metrics["peers"] = {name: _peer_summary(plain, results, drafter.gamma) for name, results in others.items()}
     if not sampling.greedy:
         metrics["greedy_match"] = None
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     return metrics
 
 
-def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult]) -> dict:
-    """tau (tokens per verification forward: after the prefill's token), tokens/s, speedup over the same
-    baseline, and greedy agreement of a peer method."""
+def _acceptance_rates(results: list[DecodeResult], gamma: int) -> tuple[list[float], list[float]]:
+    """Conditional and cumulative acceptance per draft position, from accepted drafts per step."""
+    accepted = torch.tensor([n for r in results for n in r.accepted_per_step])
+    steps = max(len(accepted), 1)
+    attempted = [(accepted >= i).sum().item() for i in range(gamma)]
+    passed = [(accepted >= i + 1).sum().item() for i in range(gamma)]
+    return [p / a if a else 0.0 for p, a in zip(passed, attempted)], [p / steps for p in passed]
+
+
+def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], gamma: int) -> dict:
+    """tau (tokens per verification forward, after the prefill's token), tokens/s and speedup over the same
+    baseline, greedy agreement, and per-position acceptance when the method reports it."""
     verify_forwards = sum(r.target_forwards - 1 for r in peer)
     tps = sum(len(r.tokens) for r in peer) / sum(r.seconds for r in peer)
-    return {"acceptance_length": sum(len(r.tokens) - 1 for r in peer) / max(verify_forwards, 1),
-            "tokens_per_second": tps,
-            "speedup": tps / (sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)),
-            "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
-            "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
+    summary = {"acceptance_length": sum(len(r.tokens) - 1 for r in peer) / max(verify_forwards, 1),
+               "tokens_per_second": tps,
+               "speedup": tps / (sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)),
+               "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
+               "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
+    if any(r.accepted_per_step for r in peer):
+        summary["acceptance_rate_per_position"], _ = _acceptance_rates(peer, gamma)
+    return summary
 
 
 def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: float) -> dict:
@@ -84,16 +99,14 @@ def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: fl
 def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, max_new_tokens: int,
               mismatches: list[dict]) -> dict:
     """Aggregate per-prompt results into the set's report entry."""
-    accepted = torch.tensor([n for r in spec for n in r.accepted_per_step])
-    steps = max(len(accepted), 1)
-    attempted = [(accepted >= i).sum().item() for i in range(gamma)]
-    passed = [(accepted >= i + 1).sum().item() for i in range(gamma)]
+    steps = max(sum(len(r.accepted_per_step) for r in spec), 1)
+    alpha, cumulative = _acceptance_rates(spec, gamma)
     plain_tokens, spec_tokens = sum(len(r.tokens) for r in plain), sum(len(r.tokens) for r in spec)
     plain_s, spec_s = sum(r.seconds for r in plain), sum(r.seconds for r in spec)
     return {
         "acceptance_length": sum(n for r in spec for n in r.emitted_per_step) / steps,
-        "acceptance_rate_per_position": [p / a if a else 0.0 for p, a in zip(passed, attempted)],
-        "cumulative_acceptance_per_position": [p / steps for p in passed],
+        "acceptance_rate_per_position": alpha,
+        "cumulative_acceptance_per_position": cumulative,
         "tokens_per_second": {"speculative": spec_tokens / spec_s, "baseline": plain_tokens / plain_s},
         "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s),
         "target_forwards_per_token": {"speculative": sum(r.target_forwards for r in spec) / spec_tokens,
@@ -122,9 +135,10 @@ def format_table(sets: dict) -> str:
             f"{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
-        rows = [("draft model", m, " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"]),
+        rows = [("chain", m, " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"]),
                  m["tokens_per_second"]["speculative"])]
-        rows += [(peer, p, "", p["tokens_per_second"]) for peer, p in m.get("peers", {}).items()]
+        rows += [(peer, p, " ".join(f"{a:.2f}" for a in p.get("acceptance_rate_per_position", [])),
+                  p["tokens_per_second"]) for peer, p in m.get("peers", {}).items()]
         for method, r, alphas, tps in rows:
             match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
             lines.append(f"{name:<11}{method:<15}{r['acceptance_length']:>6.2f}{alphas:>26}{tps:>8.1f}"

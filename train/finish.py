@@ -8,18 +8,39 @@ from dataclasses import asdict
 from pathlib import Path
 
 from models.export.medusa import export_tgi_medusa, export_vllm_medusa, save_heads
-from models.speculative import MedusaDrafter, Sampling
+from models.speculative import MedusaDrafter, Sampling, prompt_lookup_decode
+from models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
 from train.evaluation import eval_prompts, evaluate_set, flat_metrics, format_table, hardware, write_report
 from train.validation import validate
 
 
-def evaluate_heads(eval_cfg, target, tokenizer, heads) -> dict:
-    """Speculative evaluation of Medusa heads on every configured eval set: ``{set name: metrics}``."""
+def evaluate_heads(eval_cfg, target, tokenizer, heads, rank_accuracy: list[list[float]] | None) -> dict:
+    """Speculative evaluation of Medusa heads on every configured eval set: ``{set name: metrics}``.
+
+    Measured side by side: plain decoding, the heads as a chain, the heads as a tree (``medusa_tree``) and
+    transformers' prompt lookup (greedy only). ``rank_accuracy`` ([K][r]) grows the default tree.
+    Raises ``ValueError`` for a tree deeper than the heads, or no tree and no accuracies to grow one.
+    """
     drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
     sampling = Sampling(eval_cfg.temperature, eval_cfg.top_k, eval_cfg.top_p)
-    return {s.name: evaluate_set(target, tokenizer, drafter, eval_prompts(s), eval_cfg.max_new_tokens,
-                                 eval_cfg.tie_tolerance, sampling, eval_cfg.seed, eval_cfg.prompt_lookup_tokens,
-                                 desc=f"eval {s.name}")
+    eos = tokenizer.eos_token_id
+    n = eval_cfg.max_new_tokens
+    peers = {}
+    if eval_cfg.tree:
+        choices = eval_cfg.medusa_choices
+        if choices is None:
+            if rank_accuracy is None:
+                raise ValueError("no eval.medusa_choices and no measured head accuracies to grow a tree from")
+            choices = default_choices(rank_accuracy, eval_cfg.tree_budget)
+        tree = Tree.from_choices(choices, heads.num_heads)
+        typical = (TypicalAcceptance(eval_cfg.typical_epsilon, eval_cfg.typical_delta, eval_cfg.temperature or 0.7)
+                   if eval_cfg.typical or not sampling.greedy else None)
+        name = "medusa_tree_typical" if typical else "medusa_tree"
+        peers[name] = lambda ids: tree_decode(target, drafter, tree, ids, n, eos, typical)
+    if eval_cfg.prompt_lookup_tokens > 0 and sampling.greedy:
+        peers["prompt_lookup"] = lambda ids: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens)
+    return {s.name: evaluate_set(target, tokenizer, drafter, eval_prompts(s), n, eval_cfg.tie_tolerance, sampling,
+                                 eval_cfg.seed, peers, desc=f"eval {s.name}")
             for s in eval_cfg.sets}
 
 
@@ -36,7 +57,8 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
     """Validate, save, export, evaluate and write ``report.json``; returns the report."""
     out = Path(conf.output_dir)
     heads = accelerator.unwrap_model(heads).eval()
-    val = validate(target, heads, val_rows, conf.trainer.hidden_states_batch_size, tokenizer.pad_token_id)
+    val, rank_accuracy = validate(target, heads, val_rows, conf.trainer.hidden_states_batch_size,
+                                  tokenizer.pad_token_id)
     accelerator.log(val)
     print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())), flush=True)
 
@@ -49,10 +71,10 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
 
     report = {"config": json.loads(json.dumps(asdict(conf), default=str)), "target": target_path,
               "base_model": base_model, "hardware": hardware(), "dtype": conf.model.dtype,
-              "validation": val, **extra,
+              "validation": val, "head_rank_accuracy": rank_accuracy, **extra,
               "notes": "acceptance_length counts the bonus token; alpha is conditional on earlier positions"}
     if conf.eval.enabled:
-        report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads)
+        report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads, rank_accuracy)
         accelerator.log(flat_metrics(report["eval"]))
         print(format_table(report["eval"]), flush=True)
     if conf.export:

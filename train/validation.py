@@ -20,23 +20,33 @@ from models.medusa import MedusaHeads, medusa_loss, medusa_targets
 from train.strategies import next_token_positions, self_distillation
 
 
+TOPK_RANKS = 10
+
+
 @torch.inference_mode()
-def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_token_id: int) -> dict[str, float]:
+def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int,
+             pad_token_id: int) -> tuple[dict[str, float], list[list[float]]]:
     """Metrics over ``rows`` (each with the original target's ``hidden_states``), weighted by tokens.
 
-    Returns ``val/head{k}_top1|top5|loss`` and ``drift/kl_to_original``, ``drift/greedy_agreement``,
-    ``drift/ppl_original``, ``drift/ppl_trained``, ``drift/ppl_change`` (ratio - 1).
+    Returns:
+        ``val/head{k}_top1|top5|loss`` and ``drift/kl_to_original``, ``drift/greedy_agreement``,
+        ``drift/ppl_original``, ``drift/ppl_trained``, ``drift/ppl_change`` (ratio - 1); and ``[K][10]``
+        rank accuracies: how often head k's rank-r candidate is the label (what the default tree is grown from).
     """
     device = next(target.parameters()).device
     lm_head = target.get_output_embeddings()
     sums: dict[str, float] = defaultdict(float)
     weights: dict[str, float] = defaultdict(float)
+    rank_hits = torch.zeros(heads.num_heads, TOPK_RANKS)
     for s in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[s:s + batch_size], pad_token_id).items()}
         hidden = last_hidden_states(target, batch["input_ids"], batch["attention_mask"])
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)
         _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=1.0)
+        states = heads.head_states(hidden)
         for k in range(heads.num_heads):
+            top = heads.head_logits(k, states[k][valid[k]], lm_head).topk(TOPK_RANKS, dim=-1).indices
+            rank_hits[k] += (top == labels[k][valid[k]][:, None]).float().sum(0).cpu()
             n = float(valid[k].sum())
             for name in ("loss", "top1", "top5") if n else ():
                 sums[f"val/head{k + 1}_{name}"] += float(metrics[f"head{k + 1}_{name}"]) * n
@@ -55,4 +65,5 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_
     out["drift/ppl_trained"] = math.exp(out.pop("drift/nll_trained"))
     out["drift/ppl_original"] = math.exp(out.pop("drift/nll_original"))
     out["drift/ppl_change"] = out["drift/ppl_trained"] / out["drift/ppl_original"] - 1
-    return out
+    rank_accuracy = [(rank_hits[k] / max(weights[f"val/head{k + 1}_top1"], 1.0)).tolist() for k in range(heads.num_heads)]
+    return out, rank_accuracy
