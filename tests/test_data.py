@@ -19,7 +19,7 @@ from data.hidden_states import attach_hidden_states
 from data.regenerate import GenerationSettings, Response, prompt_ids, regenerate
 from data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
                           chitchat_prompts, humaneval_prompts, jsonl_prompts, load_prompts)
-from models.target import TargetSpec, TinySpec, load_target
+from models.target import TINY, TargetSpec, load_target
 
 ALL = 10**9  # a limit no source reaches
 REAL_GENERATE = regen_mod._generate  # before any test monkeypatches it
@@ -41,7 +41,7 @@ def target(tmp_path_factory):
     """``(model, tokenizer, path)`` of the tiny random Llama with its ChatML tokenizer (named apart from
     conftest's ``tiny``, which has no path)."""
     cache_dir = tmp_path_factory.mktemp("cache")
-    return load_target(TargetSpec(name_or_path="tiny", tiny=TinySpec()), cache_dir)
+    return load_target(TargetSpec(name_or_path=TINY), cache_dir)
 
 
 SETTINGS = GenerationSettings(max_new_tokens=8, batch_size=2)

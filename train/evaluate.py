@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from train.evaluation import format_table, hardware, write_report
-from train.finish import evaluate_heads, load_saved_run
+from train.finish import evaluate_heads, load_eval_sets, load_saved_run
 
 
 def main(argv: list[str]) -> dict:
@@ -23,9 +24,12 @@ def main(argv: list[str]) -> dict:
     conf, target, tokenizer, heads, _ = load_saved_run(out, argv[1:])
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads, report.get("head_rank_accuracy"))
+    sets = evaluate_heads(conf.eval, load_eval_sets(conf.eval), target, tokenizer, heads,
+                          report.get("head_rank_accuracy"))
+    report["eval"] = {**report.get("eval", {}), **sets}  # sets measured before and not re-run are kept
+    report.setdefault("config", {})["eval"] = json.loads(json.dumps(asdict(conf.eval)))
     report["hardware"] = hardware()
-    print(format_table(report["eval"]))
+    print(format_table(sets))
     print(f"report: {write_report(report, out)}")
     return report
 

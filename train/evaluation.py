@@ -156,6 +156,7 @@ def plot_acceptance(sets: dict, path: str | Path) -> None:
     for name, m in sets.items():
         rates = m["acceptance_rate_per_position"]
         ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} (tau {m['acceptance_length']:.2f})")
+    ax.set_xticks(range(1, max(len(m["acceptance_rate_per_position"]) for m in sets.values()) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate | previous accepted")
     ax.set_ylim(0, 1)

@@ -14,7 +14,20 @@ from train.evaluation import eval_prompts, evaluate_set, flat_metrics, format_ta
 from train.validation import validate
 
 
-def evaluate_heads(eval_cfg, target, tokenizer, heads, rank_accuracy: list[list[float]] | None) -> dict:
+def load_eval_sets(eval_cfg) -> dict[str, list]:
+    """Each eval set's held-out prompts. Raises ``ValueError`` for an empty set or ``max_new_tokens`` < 1,
+    and the source's own error (file, line, field) for a malformed file."""
+    if eval_cfg.max_new_tokens < 1:
+        raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
+    sets = {s.name: eval_prompts(s) for s in eval_cfg.sets} if eval_cfg.enabled else {}
+    for name, prompts in sets.items():
+        if not prompts:
+            raise ValueError(f"eval set {name!r} has no prompts (num_prompts >= 1 and a non-empty source needed)")
+    return sets
+
+
+def evaluate_heads(eval_cfg, eval_sets: dict[str, list], target, tokenizer, heads,
+                   rank_accuracy: list[list[float]] | None) -> dict:
     """Speculative evaluation of Medusa heads on every configured eval set: ``{set name: metrics}``.
 
     Measured side by side: plain decoding, the heads as a chain, the heads as a tree (``medusa_tree``) and
@@ -39,9 +52,9 @@ def evaluate_heads(eval_cfg, target, tokenizer, heads, rank_accuracy: list[list[
         peers[name] = lambda ids: tree_decode(target, drafter, tree, ids, n, eos, typical)
     if eval_cfg.prompt_lookup_tokens > 0 and sampling.greedy:
         peers["prompt_lookup"] = lambda ids: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens)
-    return {s.name: evaluate_set(target, tokenizer, drafter, eval_prompts(s), n, eval_cfg.tie_tolerance, sampling,
-                                 eval_cfg.seed, peers, desc=f"eval {s.name}")
-            for s in eval_cfg.sets}
+    return {name: evaluate_set(target, tokenizer, drafter, prompts, n, eval_cfg.tie_tolerance, sampling,
+                               eval_cfg.seed, peers, desc=f"eval {name}")
+            for name, prompts in eval_sets.items()}
 
 
 def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, str]:
@@ -53,13 +66,14 @@ def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, st
 
 
 def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, identity: dict, val_rows: list,
-               extra: dict) -> dict:
-    """Validate, save, export, evaluate and write ``report.json``; returns the report."""
+               eval_sets: dict[str, list], step: int, extra: dict) -> dict:
+    """Validate, save, export, evaluate and write ``report.json``; returns the report. Metrics are logged
+    at ``step``, the last training step on the tracker's axis."""
     out = Path(conf.output_dir)
     heads = accelerator.unwrap_model(heads).eval()
     val, rank_accuracy = validate(target, heads, val_rows, conf.trainer.hidden_states_batch_size,
                                   tokenizer.pad_token_id)
-    accelerator.log(val)
+    accelerator.log(val, step=step)
     print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())), flush=True)
 
     base_model = target_path
@@ -74,8 +88,8 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
               "validation": val, "head_rank_accuracy": rank_accuracy, **extra,
               "notes": "acceptance_length counts the bonus token; alpha is conditional on earlier positions"}
     if conf.eval.enabled:
-        report["eval"] = evaluate_heads(conf.eval, target, tokenizer, heads, rank_accuracy)
-        accelerator.log(flat_metrics(report["eval"]))
+        report["eval"] = evaluate_heads(conf.eval, eval_sets, target, tokenizer, heads, rank_accuracy)
+        accelerator.log(flat_metrics(report["eval"]), step=step)
         print(format_table(report["eval"]), flush=True)
     if conf.export:
         report["exports"] = export_all(out, target, heads, base_model)

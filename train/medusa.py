@@ -13,6 +13,7 @@ validates, evaluates and exports.
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 
 import hydra
@@ -25,10 +26,10 @@ from models.medusa import MedusaHeads
 from models.target import load_target, model_identity
 from train.checkpoint import latest_checkpoint
 from train.config import MedusaRunConfig, register_configs, to_schema
-from train.finish import finish_run
+from train.finish import finish_run, load_eval_sets
 from train.runtime import make_accelerator, print0
 from train.spine import fit
-from train.strategies import MedusaStage1, MedusaStage2
+from train.strategies import MedusaStage1, MedusaStage2, check_unfreeze
 
 register_configs()
 
@@ -38,9 +39,7 @@ def run(cfg: DictConfig) -> dict:
     conf: MedusaRunConfig = to_schema(cfg)
     accelerator = make_accelerator(cfg, run_name=Path(conf.output_dir).name)
     out = Path(conf.output_dir)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    eval_sets = load_eval_sets(conf.eval)  # a bad eval file fails now, not after training
 
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
@@ -48,8 +47,12 @@ def run(cfg: DictConfig) -> dict:
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
+    check_unfreeze(target, conf.stage2)
     resume = latest_checkpoint(out, identity) if conf.resume else None  # refuse another model's before any work
     resume_stage = resume[1]["stage"] if resume else None
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
 
     with accelerator.main_process_first():  # rank 0 regenerates; the others read its cache
         train_rows, val_rows, data_report = self_distilled_rows(conf.data, target, tokenizer, identity,
@@ -80,14 +83,16 @@ def run(cfg: DictConfig) -> dict:
         s2 = conf.stage2
         strategy = MedusaStage2(heads, target, s2.unfreeze_last_n_layers, conf.medusa.decay, s2.kl_weight,
                                 s2.backbone_lr_scale)
-        curves["stage2"] = fit(accelerator, strategy, train_rows, conf.trainer, s2, str(out), pad, meta,
-                               resume_from=str(resume[0]) if resume_stage == "stage2" else None).history
+        state = fit(accelerator, strategy, train_rows, conf.trainer, s2, str(out), pad, meta,
+                    resume_from=str(resume[0]) if resume_stage == "stage2" else None)
+        curves["stage2"] = state.history
+        meta["step_offset"] += state.step
         target.requires_grad_(False)
 
     report = {}
     if accelerator.is_main_process:
-        report = finish_run(conf, accelerator, target, tokenizer, heads, target_path, identity, val_rows,
-                            {"data": describe(data_report), "train_curves": curves})
+        report = finish_run(conf, accelerator, target, tokenizer, heads, target_path, identity, val_rows, eval_sets,
+                            meta["step_offset"], {"data": asdict(data_report), "train_curves": curves})
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return report

@@ -97,6 +97,14 @@ class _Stage2Module(nn.Module):
         return head_loss + self.kl_weight * kl, metrics
 
 
+def check_unfreeze(target: PreTrainedModel, stage2) -> None:
+    """``ValueError`` before any work when stage 2 would unfreeze more layers than the target has."""
+    n_total = len(decoder_layers(target))
+    if stage2.enabled and not 1 <= stage2.unfreeze_last_n_layers <= n_total:
+        raise ValueError(f"stage2.unfreeze_last_n_layers={stage2.unfreeze_last_n_layers} must be in 1..{n_total} "
+                         f"(the target's decoder layers)")
+
+
 class MedusaStage2:
     """Heads plus the last ``n_layers`` decoder layers; ``hidden_states`` in the batch are the original
     (stage-1) target's, the teacher of the self-distillation term."""
@@ -105,9 +113,6 @@ class MedusaStage2:
 
     def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float,
                  kl_weight: float, backbone_lr_scale: float):
-        n_total = len(decoder_layers(target))
-        if not 1 <= n_layers <= n_total:
-            raise ValueError(f"stage2.unfreeze_last_n_layers={n_layers} must be in 1..{n_total} (decoder layers)")
         self.module = _Stage2Module(heads, target, n_layers, decay, kl_weight)
         self.module.layers.requires_grad_(True)
         self.backbone_lr_scale = backbone_lr_scale
