@@ -76,7 +76,7 @@ def test_heads_learn_future_tokens_well_above_chance():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
     assert losses[-1] < 0.2 * losses[0]
     for k in range(1, K + 1):
         assert float(metrics[f"head{k}_top1"]) > 0.9 > 10 / V

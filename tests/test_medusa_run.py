@@ -44,7 +44,11 @@ def test_smoke_run_trains_evaluates_and_exports(smoke_run):
         assert m["num_prompts"] > 0 and m["new_tokens"] > 0
         for peer in ("medusa_tree", "prompt_lookup"):  # measured beside the chain on the same prompts
             assert m["peers"][peer]["greedy_match"] == 1.0 and m["peers"][peer]["acceptance_length"] >= 1.0
+        assert len(m["accepted_histogram"]) == m["gamma"] + 1 and sum(m["accepted_histogram"]) > 0
     assert len(report["head_rank_accuracy"]) == 4 and report["head_rank_accuracy"][0][0] > 0
+    from train.evaluation import flat_metrics
+    assert {"eval/chitchat/chain/acceptance_length", "eval/chitchat/medusa_tree/alpha_pos1",
+            "eval/humaneval/prompt_lookup/speedup"} <= flat_metrics(report["eval"]).keys()
     # stage-1 loss falls; heads beat chance (vocab 512) on held-out rows by far
     curve = [h["stage1/loss"] for h in report["train_curves"]["stage1"]]
     assert sum(curve[-3:]) < 0.9 * sum(curve[:3])

@@ -114,6 +114,8 @@ def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, m
         "time_split_s": {"draft": sum(r.draft_seconds for r in spec), "verify": sum(r.verify_seconds for r in spec)},
         "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, spec)) / len(plain),
         "greedy_ties": sum(m["tie"] for m in mismatches),
+        "accepted_histogram": torch.bincount(torch.tensor([n for r in spec for n in r.accepted_per_step], dtype=torch.long),
+                                             minlength=gamma + 1).tolist(),
         "mismatches": mismatches,
         "num_prompts": len(plain),
         "max_new_tokens": max_new_tokens,
@@ -146,29 +148,50 @@ def format_table(sets: dict) -> str:
     return "\n".join(lines)
 
 
+def _methods(m: dict) -> dict[str, dict]:
+    """The chain's entry and every peer's, by method name."""
+    return {"chain": m, **m.get("peers", {})}
+
+
 def plot_acceptance(sets: dict, path: str | Path) -> None:
-    """PNG of conditional acceptance rate per draft position, one line per eval set."""
+    """PNG with three panels: conditional acceptance per draft position (chain and tree, per set),
+    histogram of accepted drafts per verification step (chain), and tau per set and method."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    fig, (pos, hist, bars) = plt.subplots(1, 3, figsize=(14, 3.6), dpi=110)
     for name, m in sets.items():
-        rates = m["acceptance_rate_per_position"]
-        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} (tau {m['acceptance_length']:.2f})")
-    ax.set_xticks(range(1, max(len(m["acceptance_rate_per_position"]) for m in sets.values()) + 1))
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate | previous accepted")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        for method, r in _methods(m).items():
+            rates = r.get("acceptance_rate_per_position")
+            if rates:
+                pos.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} {method}")
+        counts = m["accepted_histogram"]
+        hist.bar([i + 0.8 * list(sets).index(name) / len(sets) for i in range(len(counts))],
+                 [c / max(sum(counts), 1) for c in counts], width=0.8 / len(sets), label=name)
+    pos.set(xlabel="draft position", ylabel="acceptance | previous accepted", ylim=(0, 1),
+            xticks=range(1, max(m["gamma"] for m in sets.values()) + 1))
+    centre = 0.4 * (len(sets) - 1) / len(sets)
+    gamma = max(m["gamma"] for m in sets.values())
+    hist.set(xlabel="drafts accepted per step (chain)", ylabel="fraction of steps",
+             xticks=[i + centre for i in range(gamma + 1)], xticklabels=range(gamma + 1))
+    methods = sorted({method for m in sets.values() for method in _methods(m)})
+    for j, method in enumerate(methods):
+        taus = [_methods(m).get(method, {}).get("acceptance_length", 0.0) for m in sets.values()]
+        bars.bar([i + 0.8 * j / len(methods) for i in range(len(sets))], taus, width=0.8 / len(methods), label=method)
+    bars.set(xticks=[i + 0.4 * (len(methods) - 1) / len(methods) for i in range(len(sets))], xticklabels=list(sets),
+             ylabel="tau (tokens per target forward)")
+    for ax in (pos, hist, bars):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 def write_report(report: dict, output_dir: str | Path) -> Path:
-    """``report.json`` and ``acceptance.png`` in the run directory."""
+    """``report.json`` and ``acceptance.png`` (per-position acceptance, accepted-per-step histogram, tau per
+    set and method) in the run directory."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
@@ -179,14 +202,17 @@ def write_report(report: dict, output_dir: str | Path) -> Path:
 
 
 def flat_metrics(sets: dict) -> dict[str, float]:
-    """Tracker-friendly ``eval/<set>/<metric>`` scalars."""
+    """Tracker-friendly ``eval/<set>/<method>/<metric>`` scalars for every method measured."""
     out = {}
     for name, m in sets.items():
-        out[f"eval/{name}/acceptance_length"] = m["acceptance_length"]
-        out[f"eval/{name}/speedup"] = m["speedup"]
-        if m["greedy_match"] is not None:
-            out[f"eval/{name}/greedy_match"] = m["greedy_match"]
-        out[f"eval/{name}/tokens_per_s"] = m["tokens_per_second"]["speculative"]
-        for i, a in enumerate(m["acceptance_rate_per_position"]):
-            out[f"eval/{name}/alpha_pos{i + 1}"] = a
+        for method, r in _methods(m).items():
+            key = f"eval/{name}/{method}"
+            out[f"{key}/acceptance_length"] = r["acceptance_length"]
+            out[f"{key}/speedup"] = r["speedup"]
+            tps = r["tokens_per_second"]
+            out[f"{key}/tokens_per_s"] = tps["speculative"] if isinstance(tps, dict) else tps
+            if r["greedy_match"] is not None:
+                out[f"{key}/greedy_match"] = r["greedy_match"]
+            for i, a in enumerate(r.get("acceptance_rate_per_position", [])):
+                out[f"{key}/alpha_pos{i + 1}"] = a
     return out
