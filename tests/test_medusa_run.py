@@ -148,12 +148,17 @@ def test_per_head_lm_heads_train_export_and_stay_lossless(tmp_path, cache_dir):
 
 
 def test_evaluate_a_saved_run_with_sampling(smoke_run):
-    """train/evaluate.py on the saved run, temperature 0.7: lossless sampling, no greedy_match claimed."""
+    """train/evaluate.py on the saved run at temperatures 0 and 0.7 in one report: lossless sampling at 0.7
+    claims no greedy_match; the greedy sets stay exact."""
     from train.evaluate import main as evaluate_main
     out, _ = smoke_run
-    report = evaluate_main([str(out), "eval.temperature=0.7", "eval.max_new_tokens=12"])
-    for m in report["eval"].values():
-        assert m["greedy_match"] is None and m["sampling"]["temperature"] == 0.7
+    report = evaluate_main([str(out), "eval.temperatures=[0,0.7]", "eval.max_new_tokens=12"])
+    assert set(report["eval"]) == {"chitchat", "humaneval", "chitchat@T0.7", "humaneval@T0.7"}
+    for name, m in report["eval"].items():
         assert 1.0 <= m["acceptance_length"] <= m["gamma"] + 1
-        assert set(m["peers"]) == {"medusa_tree_typical"}  # prompt lookup is greedy-only
+        if name.endswith("@T0.7"):
+            assert m["greedy_match"] is None and m["sampling"]["temperature"] == 0.7
+            assert set(m["peers"]) == {"medusa_tree_typical"}  # prompt lookup is greedy-only
+        else:
+            assert m["greedy_match"] == 1.0 and set(m["peers"]) == {"medusa_tree", "prompt_lookup"}
     assert json.loads((out / "report.json").read_text())["eval"] == json.loads(json.dumps(report["eval"]))

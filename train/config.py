@@ -51,9 +51,10 @@ class EvalConfig:
         EvalSetConfig(name="chitchat", source="chitchat"), EvalSetConfig(name="humaneval", source="humaneval")])
     tie_tolerance: float = 1e-4
     """A greedy mismatch whose top-2 target logits differ by less than this is a floating-point tie."""
-    temperature: float = 0.0
-    """0: greedy verification (output must equal plain greedy). > 0: lossless speculative sampling, the
-    target and the draft both processed with this temperature, top_k and top_p."""
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    """Each is a full evaluation. 0: greedy verification (output must equal plain greedy). > 0: lossless
+    speculative sampling, target and draft processed with this temperature, top_k and top_p; the tree then
+    uses typical acceptance at that temperature. ``[0, 0.7]`` puts both in one report."""
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0

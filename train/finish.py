@@ -28,33 +28,48 @@ def load_eval_sets(eval_cfg) -> dict[str, list]:
 
 def evaluate_heads(eval_cfg, eval_sets: dict[str, list], target, tokenizer, heads,
                    rank_accuracy: list[list[float]] | None) -> dict:
-    """Speculative evaluation of Medusa heads on every configured eval set: ``{set name: metrics}``.
+    """Speculative evaluation of Medusa heads on every eval set at every temperature in
+    ``eval.temperatures``: ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0.
 
-    Measured side by side: plain decoding, the heads as a chain, the heads as a tree (``medusa_tree``) and
-    transformers' prompt lookup (greedy only). ``rank_accuracy`` ([K][r]) grows the default tree.
+    Measured side by side: plain decoding, the heads as a chain, the heads as a tree (``medusa_tree``; with
+    t > 0 or ``eval.typical``, ``medusa_tree_typical``) and transformers' prompt lookup (greedy only).
+    ``rank_accuracy`` ([K][r]) grows the default tree.
     Raises ``ValueError`` for a tree deeper than the heads, or no tree and no accuracies to grow one.
     """
     drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
-    sampling = Sampling(eval_cfg.temperature, eval_cfg.top_k, eval_cfg.top_p)
-    eos = tokenizer.eos_token_id
-    n = eval_cfg.max_new_tokens
+    tree = _tree(eval_cfg, heads.num_heads, rank_accuracy) if eval_cfg.tree else None
+    results = {}
+    for temperature in eval_cfg.temperatures:
+        sampling = Sampling(temperature, eval_cfg.top_k, eval_cfg.top_p)
+        peers = _peers(eval_cfg, target, tokenizer, drafter, tree, sampling)
+        for name, prompts in eval_sets.items():
+            key = name if sampling.greedy else f"{name}@T{temperature:g}"
+            results[key] = evaluate_set(target, tokenizer, drafter, prompts, eval_cfg.max_new_tokens,
+                                        eval_cfg.tie_tolerance, sampling, eval_cfg.seed, peers, desc=f"eval {key}")
+    return results
+
+
+def _tree(eval_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
+    choices = eval_cfg.medusa_choices
+    if choices is None:
+        if rank_accuracy is None:
+            raise ValueError("no eval.medusa_choices and no measured head accuracies to grow a tree from")
+        choices = default_choices(rank_accuracy, eval_cfg.tree_budget)
+    return Tree.from_choices(choices, num_heads)
+
+
+def _peers(eval_cfg, target, tokenizer, drafter, tree: Tree | None, sampling: Sampling) -> dict:
+    """The methods measured beside the chain at this temperature."""
+    eos, n = tokenizer.eos_token_id, eval_cfg.max_new_tokens
     peers = {}
-    if eval_cfg.tree:
-        choices = eval_cfg.medusa_choices
-        if choices is None:
-            if rank_accuracy is None:
-                raise ValueError("no eval.medusa_choices and no measured head accuracies to grow a tree from")
-            choices = default_choices(rank_accuracy, eval_cfg.tree_budget)
-        tree = Tree.from_choices(choices, heads.num_heads)
-        typical = (TypicalAcceptance(eval_cfg.typical_epsilon, eval_cfg.typical_delta, eval_cfg.temperature or 0.7)
+    if tree is not None:
+        typical = (TypicalAcceptance(eval_cfg.typical_epsilon, eval_cfg.typical_delta, sampling.temperature or 0.7)
                    if eval_cfg.typical or not sampling.greedy else None)
-        name = "medusa_tree_typical" if typical else "medusa_tree"
-        peers[name] = lambda ids: tree_decode(target, drafter, tree, ids, n, eos, typical)
+        peers["medusa_tree_typical" if typical else "medusa_tree"] = \
+            lambda ids: tree_decode(target, drafter, tree, ids, n, eos, typical)
     if eval_cfg.prompt_lookup_tokens > 0 and sampling.greedy:
         peers["prompt_lookup"] = lambda ids: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens)
-    return {name: evaluate_set(target, tokenizer, drafter, prompts, n, eval_cfg.tie_tolerance, sampling,
-                               eval_cfg.seed, peers, desc=f"eval {name}")
-            for name, prompts in eval_sets.items()}
+    return peers
 
 
 def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, str]:
