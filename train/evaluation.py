@@ -58,8 +58,9 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
     if peers:
         metrics["peers"] = {name: _peer_summary(plain, results, drafter.gamma) for name, results in others.items()}
-    if not sampling.greedy:
-        metrics["greedy_match"] = None
+    if not sampling.greedy:  # two samples need not coincide: no match to claim
+        for m in [metrics, *metrics.get("peers", {}).values()]:
+            m["greedy_match"] = None
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     return metrics
 
@@ -133,7 +134,7 @@ def hardware() -> dict:
 
 def format_table(sets: dict) -> str:
     """A terminal table: per eval set, the drafter under test and any peer measured beside it."""
-    head = (f"{'set':<11}{'method':<15}{'tau':>6}{'alpha per position':>26}{'tok/s':>8}{'AR tok/s':>10}"
+    head = (f"{'set':<16}{'method':<21}{'tau':>6}{'alpha per position':>26}{'tok/s':>8}{'AR tok/s':>10}"
             f"{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
@@ -143,7 +144,7 @@ def format_table(sets: dict) -> str:
                   p["tokens_per_second"]) for peer, p in m.get("peers", {}).items()]
         for method, r, alphas, tps in rows:
             match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
-            lines.append(f"{name:<11}{method:<15}{r['acceptance_length']:>6.2f}{alphas:>26}{tps:>8.1f}"
+            lines.append(f"{name:<16}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>26}{tps:>8.1f}"
                          f"{m['tokens_per_second']['baseline']:>10.1f}{r['speedup']:>9.2f}{match:>14}")
     return "\n".join(lines)
 
