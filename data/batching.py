@@ -2,9 +2,11 @@
 
 Contracts:
 - a row: ``{"input_ids": [T] int64, "loss_mask": [T] bool, "source": str, "row": int}``, optionally
-  ``"hidden_states": [T, D]`` float (the target's last hidden states, cached);
+  ``"hidden_states": [T, D]`` float (the target's last hidden states, cached) and/or
+  ``"target_features": [T, K*D]`` (outputs of K target layers, for DFlash);
 - a batch: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] int64, ``loss_mask`` [B, T] bool, and
-  ``hidden_states`` [B, T, D] when the rows carry them; right padding (positions unchanged).
+  ``hidden_states`` [B, T, D] / ``target_features`` [B, T, K*D] when the rows carry them; right padding
+  (positions unchanged).
 """
 
 from __future__ import annotations
@@ -58,6 +60,10 @@ def rows_from_responses(responses: list[Response], max_length: int) -> tuple[lis
     return rows, report
 
 
+PER_TOKEN_STATES = ("hidden_states", "target_features")
+"""Optional cached target states of a row, ``[T, D]`` / ``[T, K*D]``, padded with zeros by :func:`collate`."""
+
+
 def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad rows into a batch (see the module docstring for keys and shapes)."""
     width = max(len(r["input_ids"]) for r in rows)
@@ -65,16 +71,16 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     batch = {"input_ids": torch.full((B, width), pad_token_id, dtype=torch.long),
              "attention_mask": torch.zeros((B, width), dtype=torch.long),
              "loss_mask": torch.zeros((B, width), dtype=torch.bool)}
-    if "hidden_states" in rows[0]:
-        h = rows[0]["hidden_states"]
-        batch["hidden_states"] = h.new_zeros((B, width, h.shape[-1]))
+    states = [k for k in PER_TOKEN_STATES if k in rows[0]]
+    for k in states:
+        batch[k] = rows[0][k].new_zeros((B, width, rows[0][k].shape[-1]))
     for i, r in enumerate(rows):
         n = len(r["input_ids"])
         batch["input_ids"][i, :n] = r["input_ids"]
         batch["attention_mask"][i, :n] = 1
         batch["loss_mask"][i, :n] = r["loss_mask"]
-        if "hidden_states" in batch:
-            batch["hidden_states"][i, :n] = r["hidden_states"]
+        for k in states:
+            batch[k][i, :n] = r[k]
     return batch
 
 

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from models.target import record_layer_outputs
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -53,29 +55,45 @@ class Sampling:
 
 class ChainDrafter(Protocol):
     """What the evaluator needs from a draft model: logits for gamma future positions."""
+    name: str
+    """Method name in reports (``medusa_chain``, ``dflash``...)."""
     gamma: int
     """Draft length: tokens proposed per step."""
+    target_layer_ids: tuple[int, ...]
+    """Target decoder layers whose outputs the drafter reads for every committed token (empty: none)."""
 
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int) -> torch.Tensor:
+    def start(self) -> None:
+        """Forget the previous sequence (a new prompt begins)."""
+
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int,
+                     features: torch.Tensor | None) -> torch.Tensor:
         """Proposal logits ``[gamma, V]`` for the gamma tokens after ``last_token``.
 
         Args:
             hidden_state: ``[D]`` target hidden state (after the final norm) at the position before
                 ``last_token``, i.e. the state from which the target predicted ``last_token``.
             last_token: the newest token (bonus token of the last step), not yet in the target's KV cache.
+            features: ``[m, K*D]`` outputs of ``target_layer_ids`` (concatenated in that order) for the m tokens
+                committed to the target's cache since the previous call (the prompt, then each step's verified
+                tokens); None when ``target_layer_ids`` is empty.
         """
 
 
 class MedusaDrafter:
     """Medusa heads as a chain drafter (Medusa paper, section 2.1.2, chain case): head k's distribution is
     the proposal for position k; it ignores ``last_token`` (the heads see the hidden state only)."""
+    name = "medusa_chain"
+    target_layer_ids = ()
 
     def __init__(self, heads, lm_head):
         self.heads, self.lm_head = heads, lm_head
         self.gamma = heads.num_heads
 
+    def start(self) -> None:
+        pass
+
     @torch.inference_mode()
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int) -> torch.Tensor:
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None) -> torch.Tensor:
         return self.heads(hidden_state, lm_head=self.lm_head)
 
 
@@ -95,9 +113,14 @@ class DecodeResult:
     """Plain decoding only: target logit gap between its top-2 tokens at each step (ties show as tiny gaps)."""
 
 
-def _forward(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
-    """``[n]`` new token ids through the target with its cache -> ``[n, D]`` last hidden states."""
-    return target.base_model(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+def _forward(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
+             layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``[n]`` new token ids through the target with its cache -> ``[n, D]`` last hidden states, and
+    ``[n, K*D]`` outputs of decoder layers ``layer_ids`` (None when empty)."""
+    with record_layer_outputs(target, layer_ids) as outputs:
+        hidden = target.base_model(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+    features = torch.cat([outputs[i][0] for i in layer_ids], dim=-1) if layer_ids else None
+    return hidden, features
 
 
 def _cut(tokens: list[int], budget: int, eos_id: int | None) -> tuple[list[int], bool]:
@@ -152,7 +175,7 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
     lm_head = target.get_output_embeddings()
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    hidden = _forward(target, prompt_ids, cache)[-1]
+    hidden = _forward(target, prompt_ids, cache)[0][-1]
     result = DecodeResult(tokens=[], target_forwards=1)
     while True:
         logits = lm_head(hidden).cpu()
@@ -161,7 +184,7 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
         result.tokens, stop = _cut(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, eos_id)
         if stop:
             break
-        hidden = _forward(target, prompt_ids.new_tensor(result.tokens[-1:]), cache)[-1]
+        hidden = _forward(target, prompt_ids.new_tensor(result.tokens[-1:]), cache)[0][-1]
         result.target_forwards += 1
     result.seconds = time.perf_counter() - start
     return result
@@ -181,23 +204,28 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         sampled ``tokens`` follow the same distribution.
     """
     lm_head = target.get_output_embeddings()
+    layer_ids = tuple(drafter.target_layer_ids)
     start = time.perf_counter()
+    drafter.start()
     cache = DynamicCache(config=target.config)
-    hidden = _forward(target, prompt_ids, cache)[-1]
+    states, features = _forward(target, prompt_ids, cache, layer_ids)
+    hidden = states[-1]
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
     result = DecodeResult(tokens=[], target_forwards=1)
     result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
-        q_logits = drafter.draft_logits(hidden, x0).float().cpu()
+        q_logits = drafter.draft_logits(hidden, x0, features).float().cpu()
         draft = (q_logits.argmax(-1) if sampling.greedy
                  else torch.multinomial(sampling.probs(q_logits), 1, generator=generator)[:, 0])
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
-        states = _forward(target, torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)]), cache)
+        ids = torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)])
+        states, features = _forward(target, ids, cache, layer_ids)
         n, next_token = accept_chain(draft, q_logits, lm_head(states).cpu(), sampling, generator)
         result.target_forwards += 1
         cache.crop(-(len(draft) - n))  # x0 and the accepted drafts stay; rejected drafts leave the cache
+        features = features[:n + 1] if features is not None else None  # the drafter's new context
         result.verify_seconds += time.perf_counter() - t_verify
         emitted = draft[:n].tolist() + [next_token]
         before = len(result.tokens)

@@ -17,10 +17,13 @@ import importlib.util
 import json
 import os
 import shutil
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 # ChatML, as SmolLM2 and Qwen use it; given to the tiny tokenizer.
@@ -117,7 +120,7 @@ def tiny_tokenizer(vocab_size: int, corpus: list[str]) -> PreTrainedTokenizerBas
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # <|mask|>: DFlash's mask token
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -125,7 +128,8 @@ def tiny_tokenizer(vocab_size: int, corpus: list[str]) -> PreTrainedTokenizerBas
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHATML_TEMPLATE)
+                                   pad_token="<|endoftext|>", mask_token="<|mask|>",
+                                   chat_template=CHATML_TEMPLATE)
 
 
 def _tiny_corpus() -> list[str]:
@@ -163,7 +167,8 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
     """
     cache = Path(cache_dir).expanduser()
     if spec.name_or_path == TINY:
-        key = hashlib.sha256(json.dumps(asdict(spec.tiny), sort_keys=True).encode()).hexdigest()[:16]
+        recipe = {**asdict(spec.tiny), "tokenizer": "chatml+mask"}  # changing the recipe changes the folder
+        key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
         return str(_atomic_build(cache / "models" / f"tiny-llama-{key}", lambda out: _build_tiny(spec.tiny, out)))
     if spec.name_or_path.endswith(".gguf"):
         gguf = _gguf_location(spec.name_or_path)
@@ -197,3 +202,42 @@ def model_identity(model: PreTrainedModel, spec: TargetSpec) -> dict:
     c = model.config
     return {"name_or_path": spec.name_or_path, "model_type": c.model_type,
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers}
+
+
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
+
+    Raises ``ValueError`` when the architecture keeps them elsewhere.
+    """
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layer list of {type(model).__name__} "
+                     f"(looked for .layers, .h, .blocks on {type(base).__name__})")
+
+
+@contextmanager
+def record_layer_outputs(model: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict[int, torch.Tensor]]:
+    """Record the output of decoder layers ``layer_ids`` during the forwards run inside the context.
+
+    Layer id i is the output of decoder layer i (0-based): the residual stream entering layer i+1, which is
+    index i+1 of transformers' ``hidden_states`` tuple (index 0 is the embeddings). The output of the last
+    layer is recorded before the final norm (transformers' tuple holds it after the norm). The dict maps
+    id -> ``[B, T, D]`` of the latest forward. Raises ``ValueError`` for an id outside ``0..L-1``.
+    """
+    layers = decoder_layers(model)
+    bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+    if bad:
+        raise ValueError(f"target layer ids {bad} are outside 0..{len(layers) - 1} ({len(layers)} decoder layers)")
+    outputs: dict[int, torch.Tensor] = {}
+
+    def hook(i):
+        return lambda module, args, out: outputs.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+    handles = [layers[i].register_forward_hook(hook(i)) for i in layer_ids]
+    try:
+        yield outputs
+    finally:
+        for h in handles:
+            h.remove()

@@ -145,6 +145,8 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     Raises:
         ValueError: the tree is deeper than the drafter's gamma.
     """
+    if drafter.target_layer_ids:
+        raise ValueError(f"tree verification takes drafters of the last hidden state only (Medusa), not {drafter.name}")
     if max(tree.depth) > drafter.gamma:
         raise ValueError(f"the tree has depth {max(tree.depth)} but the drafter proposes {drafter.gamma} positions")
     lm_head = target.get_output_embeddings()
@@ -155,13 +157,13 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     ranks = torch.tensor(tree.rank[1:])
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    hidden = _forward(target, prompt_ids, cache)[-1]
+    hidden = _forward(target, prompt_ids, cache)[0][-1]
     x0 = int(lm_head(hidden).argmax())
     result = DecodeResult(tokens=[], target_forwards=1)
     result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
-        top = drafter.draft_logits(hidden, x0).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
+        top = drafter.draft_logits(hidden, x0, None).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
         tokens = torch.cat([torch.tensor([x0]), top[rows, ranks]])
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t

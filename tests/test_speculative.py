@@ -7,12 +7,14 @@ from train.evaluation import summarize
 
 
 class RandomDrafter:
+    name, target_layer_ids = "test", ()
     gamma = 4
+    start = staticmethod(lambda: None)
 
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def draft_logits(self, hidden_state, last_token):
+    def draft_logits(self, hidden_state, last_token, features):
         return torch.randn(self.gamma, self.vocab) * 3
 
 
@@ -52,9 +54,11 @@ def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
 
     class Oracle:
         """Knows the target's greedy continuation; if all is accepted, step s starts at token 1 + 5 s."""
+        name, target_layer_ids = "test", ()
         gamma, calls = 4, 0
+        start = staticmethod(lambda: None)
 
-        def draft_logits(self, hidden_state, last_token):
+        def draft_logits(self, hidden_state, last_token, features):
             start = 1 + 5 * self.calls
             self.calls += 1
             return torch.nn.functional.one_hot(torch.tensor(truth[start:start + 4]), len(tok)).float()

@@ -113,12 +113,14 @@ def test_top_k_and_top_p_processing():
 
 
 class _FixedDrafter:
+    name, target_layer_ids = "test", ()
     gamma = 2
+    start = staticmethod(lambda: None)
 
     def __init__(self, vocab):
         self.logits = torch.randn(self.gamma, vocab, generator=torch.Generator().manual_seed(5)) * 2
 
-    def draft_logits(self, hidden_state, last_token):
+    def draft_logits(self, hidden_state, last_token, features):
         return self.logits
 
 

@@ -49,9 +49,11 @@ def test_an_oracle_tree_accepts_the_deepest_path(tiny):
     truth = plain_decode(model, ids, 40, None).tokens
 
     class Oracle:
+        name, target_layer_ids = "test", ()
         gamma, calls = 4, 0
+        start = staticmethod(lambda: None)
 
-        def draft_logits(self, hidden_state, last_token):
+        def draft_logits(self, hidden_state, last_token, features):
             start = 1 + 5 * self.calls
             self.calls += 1
             logits = torch.zeros(4, len(tok))

@@ -1,0 +1,455 @@
+"""DFlash block-diffusion draft model (Chen, Liang, Liu, "DFlash: Block Diffusion for Flash Speculative
+Decoding", arXiv 2602.06036), laid out as vLLM's ``qwen3_dflash.py``, SGLang's ``models/dflash.py`` and the
+authors' ``z-lab/dflash`` load it.
+
+- Target features: the outputs of K target decoder layers (``target_layer_ids``), concatenated
+  ``[.., K*D]``, projected by ``fc`` (bias-free ``K*D -> D``) and normalised by ``hidden_norm``.
+- Draft layers: N decoder layers of the target's family and width. The fused features of every context
+  token become extra keys/values of every layer through that layer's own ``k_proj``/``v_proj`` (then
+  ``k_norm`` and RoPE at their absolute positions); no ``input_layernorm`` on them. Queries come from the
+  block only.
+- Block of B tokens at positions ``a..a+B-1``: position 0 holds the last verified token (the anchor a), 1..B-1
+  the mask token. Attention inside a block is bidirectional; a block sees context strictly before its anchor.
+  Output: ``norm`` then the target's LM head; positions 1..B-1 propose tokens ``a+1..a+B-1``.
+- Token embedding and LM head are the target's, frozen and never saved.
+
+vLLM and SGLang build every draft layer with per-head ``q_norm``/``k_norm`` (Qwen3 style), whatever the
+target's family; ``qk_norm=True`` (the default) adds them to families without them so exports load there.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from models.target import decoder_layers
+
+
+def _flex_attention(*args, **kwargs):
+    """flex_attention, compiled on GPUs (eager elsewhere: a reference implementation, slow but exact)."""
+    global _COMPILED_FLEX
+    if not args[0].is_cuda:
+        return flex_attention(*args, **kwargs)
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX(*args, **kwargs)
+
+
+_COMPILED_FLEX = None
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """The paper's choice (and z-lab's ``build_target_layer_ids``): ``num_features`` layer ids spaced evenly
+    from layer 1 to layer L-3; one feature takes the middle layer. SmolLM2 (L=30): ``[1, 8, 14, 20, 27]``.
+    A target too shallow for that gets up to ``num_features`` distinct ids spread over all its layers."""
+    if num_features < 1:
+        raise ValueError(f"dflash.num_target_features={num_features} must be >= 1")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end - start < num_features - 1:  # a shallow (test) target: as many distinct layers as it has, 0..L-1
+        start, end = 0, num_target_layers - 1
+        num_features = min(num_features, num_target_layers)
+    return [int(round(start + i * (end - start) / (num_features - 1))) for i in range(num_features)]
+
+
+def choose_mask_token(tokenizer: PreTrainedTokenizerBase, vocab_size: int, configured: int | None = None) -> int:
+    """The id DFlash puts at block positions 1..B-1.
+
+    In order: ``configured``; the tokenizer's mask token; an added token whose text contains "mask", "reserved"
+    or "unused" (lowest id); else the highest-id added special token that is not BOS/EOS/PAD/UNK and does not
+    occur in the chat template (SmolLM2: ``<empty_output>``, 16). It must index the target's embedding, so no
+    token is added (that would resize the target).
+    Raises ``ValueError`` when none qualifies or the id is outside ``0..vocab_size-1``.
+    """
+    if configured is None:
+        configured = tokenizer.mask_token_id
+    if configured is None:
+        added = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if i < vocab_size}
+        named = [i for i, s in added.items() if any(w in s.lower() for w in ("mask", "reserved", "unused"))]
+        used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+        template = str(tokenizer.chat_template or "")
+        spare = [i for i, s in added.items() if i not in used and s not in template]
+        configured = min(named) if named else max(spare) if spare else None
+    if configured is None:
+        raise ValueError("the tokenizer has no mask, reserved or spare special token for DFlash's mask; set "
+                         "dflash.mask_token_id to an id the target never generates")
+    if not 0 <= configured < vocab_size:
+        raise ValueError(f"dflash.mask_token_id={configured} is outside the target's vocabulary 0..{vocab_size - 1}")
+    return int(configured)
+
+
+def _rms_norm_class(target: PreTrainedModel) -> type[nn.Module]:
+    return type(target.base_model.norm)
+
+
+def draft_config(target_config, num_layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int):
+    """The draft model's transformers config: the target's, with ``num_layers`` layers and DFlash's fields."""
+    config = copy.deepcopy(target_config)
+    config.num_target_layers = target_config.num_hidden_layers
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * num_layers
+    config.block_size = block_size
+    config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
+    config.architectures = ["DFlashDraftModel"]
+    return config
+
+
+class DFlashDraftModel(nn.Module):
+    """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers.{i}`` (the target family's decoder layers),
+    ``norm``; the target's embedding and LM head are held, frozen and unregistered.
+
+    Args:
+        config: from :func:`draft_config` (``block_size``, ``dflash_config``, decoder sizes).
+        layer_class, norm_class, rotary_class: the target family's decoder layer, RMSNorm and rotary embedding.
+        embed_tokens, lm_head: the target's ``[V, D]`` input embedding and LM head.
+        qk_norm: give every layer per-head ``q_norm``/``k_norm`` (RMSNorm over head_dim) when its family has none.
+    Raises ``ValueError`` when the feature layer ids are outside the target's layers.
+    """
+
+    def __init__(self, config, layer_class, norm_class, rotary_class, embed_tokens: nn.Module, lm_head: nn.Module,
+                 qk_norm: bool = True):
+        super().__init__()
+        self.config = config
+        D = config.hidden_size
+        self.block_size = config.block_size
+        self.target_layer_ids = tuple(config.dflash_config["target_layer_ids"])
+        self.mask_token_id = config.dflash_config["mask_token_id"]
+        bad = [i for i in self.target_layer_ids if not 0 <= i < config.num_target_layers]
+        if bad or not self.target_layer_ids:
+            raise ValueError(f"dflash target_layer_ids {list(self.target_layer_ids)} must be non-empty ids in "
+                             f"0..{config.num_target_layers - 1}")
+        if self.block_size < 2:
+            raise ValueError(f"dflash.block_size={self.block_size} must be >= 2 (the anchor plus drafts)")
+        self.fc = nn.Linear(len(self.target_layer_ids) * D, D, bias=False)
+        self.hidden_norm = norm_class(D, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(config.num_hidden_layers))
+        self.norm = norm_class(D, eps=config.rms_norm_eps)
+        self.rotary_emb = rotary_class(config=config)
+        for layer in self.layers:
+            attn = layer.self_attn
+            if qk_norm and not hasattr(attn, "q_norm"):
+                attn.q_norm = norm_class(attn.head_dim, eps=config.rms_norm_eps)
+                attn.k_norm = norm_class(attn.head_dim, eps=config.rms_norm_eps)
+        self._rope = importlib.import_module(layer_class.__module__).apply_rotary_pos_emb
+        self.frozen = (embed_tokens, lm_head)  # a tuple hides them from registration: not trained, not saved
+        self.attention = "flex" if torch.cuda.is_available() else "sdpa"
+        """Training attention: ``flex`` (flex_attention with a block-sparse mask; compiled on GPUs) or ``sdpa``
+        (a dense boolean mask; what CPUs run)."""
+        self._init_weights(config.initializer_range)
+
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, num_layers: int, block_size: int, target_layer_ids: list[int],
+                   mask_token_id: int, qk_norm: bool = True) -> "DFlashDraftModel":
+        """A fresh drafter in ``target``'s family and width (dtype float32, on ``target``'s device): linear
+        weights ~ N(0, initializer_range), norms at one (copying the target's final norm measured worse: its
+        weights fit the target's last hidden states, and the first losses on SmolLM2 rose from ~30 to ~100)."""
+        config = draft_config(target.config, num_layers, block_size, target_layer_ids, mask_token_id)
+        layer = decoder_layers(target)[0]
+        model = cls(config, type(layer), _rms_norm_class(target), type(target.base_model.rotary_emb),
+                    target.get_input_embeddings(), target.get_output_embeddings(), qk_norm)
+        return model.to(next(target.parameters()).device)
+
+    def _init_weights(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    @property
+    def num_target_features(self) -> int:
+        return len(self.target_layer_ids)
+
+    def check_target(self, target_config, where: str) -> None:
+        """``ValueError`` naming ``where`` when this drafter was not made for a target of these sizes."""
+        mine = {"hidden_size": self.config.hidden_size, "vocab_size": self.config.vocab_size,
+                "num_hidden_layers": self.config.num_target_layers}
+        theirs = {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
+                  "num_hidden_layers": target_config.num_hidden_layers}
+        wrong = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+        if wrong:
+            raise ValueError(f"{where}: DFlash drafter made for another target: (drafter, target) differ in {wrong}")
+
+    # --- the pieces shared by training and drafting -------------------------------------------------------
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """``[.., T, K*D]`` target features -> ``[.., T, D]`` context (``hidden_norm(fc(x))``)."""
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def _heads(self, attn, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return proj(x).view(*x.shape[:-1], -1, attn.head_dim)
+
+    def context_kv(self, fused: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's keys/values for context tokens: ``[B, T, D]`` fused features at ``[B, T]`` absolute
+        positions -> per layer ``(k, v)`` each ``[B, H_kv, T, head_dim]`` (k normed and rotated)."""
+        cos, sin = self.rotary_emb(fused, positions)
+        kv = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            k = self._heads(attn, attn.k_proj, fused)
+            if hasattr(attn, "k_norm"):
+                k = attn.k_norm(k)
+            k = self._rope(k.transpose(1, 2), k.transpose(1, 2), cos, sin)[0]
+            kv.append((k, self._heads(attn, attn.v_proj, fused).transpose(1, 2)))
+        return kv
+
+    def blocks(self, block_ids: torch.Tensor, positions: torch.Tensor, context: list[tuple[torch.Tensor, torch.Tensor]],
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the draft layers over block tokens.
+
+        Args:
+            block_ids: ``[B, Q]`` int64 (anchor and mask tokens of one or many blocks).
+            positions: ``[B, Q]`` their absolute positions.
+            context: :meth:`context_kv` of the context the blocks may see.
+            mask: over context then block tokens: ``[B, 1, Q, T + Q]`` bool (True: may attend) or a flex
+                ``BlockMask`` (:func:`block_attention_mask`), or None for one block that sees the whole context
+                and itself.
+        Returns:
+            ``[B, Q, D]`` hidden states after the final ``norm`` (the LM head's input).
+        """
+        x = self.frozen[0](block_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(x, positions)
+        for layer, (ctx_k, ctx_v) in zip(self.layers, context):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q, k, v = (self._heads(attn, p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+            if hasattr(attn, "q_norm"):
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+            v = torch.cat([ctx_v.to(k.dtype), v.transpose(1, 2)], dim=2)
+            if isinstance(mask, BlockMask):
+                out = _flex_attention(q, k, v, block_mask=mask, scale=attn.scaling, enable_gqa=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on draft hidden states: ``[.., D] -> [.., V]``."""
+        return self.frozen[1](hidden)
+
+    # --- training: every block of a batch in one pass ---------------------------------------------------
+
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                anchors: torch.Tensor) -> torch.Tensor:
+        """Hidden states of many blocks per sequence in one pass (training).
+
+        Args:
+            features: ``[B, T, K*D]`` target layer outputs; input_ids, attention_mask: ``[B, T]``.
+            anchors: ``[B, A]`` int64 anchor positions, -1 for padding (from :func:`sample_anchors`).
+        Returns:
+            ``[B, A, block_size, D]``. Block b sees the context at positions < its anchor (not padding) and its
+            own block; never another block. A padding block sees only itself (its loss is masked).
+        """
+        B, T = input_ids.shape
+        A, S = anchors.shape[1], self.block_size
+        start = anchors.clamp(min=0)  # padding blocks sit at 0 and see no context
+        block_ids = torch.full((B, A, S), self.mask_token_id, dtype=torch.long, device=input_ids.device)
+        block_ids[..., 0] = input_ids.gather(1, start)
+        offsets = torch.arange(S, device=input_ids.device)
+        positions = (start[..., None] + offsets).view(B, A * S)
+        context = self.context_kv(self.fuse(features), torch.arange(T, device=input_ids.device).expand(B, T))
+        mask = block_attention_mask(start, attention_mask.bool(), S, self.attention)
+        hidden = self.blocks(block_ids.view(B, A * S), positions, context, mask)
+        return hidden.view(B, A, S, -1)
+
+
+def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, block_size: int, kind: str = "sdpa"):
+    """Who sees what when A blocks per sequence train in one pass.
+
+    Query j of block b (``Q = A * block_size`` queries) may attend to context position t iff
+    ``t < anchors[b]`` and ``context_valid[t]``, and to every token of its own block; never to another block.
+    A padding block (anchor 0) sees only itself.
+
+    Args:
+        anchors: ``[B, A]`` int64 anchor positions (>= 0); context_valid: ``[B, T]`` bool (not padding).
+        kind: ``sdpa`` -> dense ``[B, 1, Q, T + Q]`` bool; ``flex`` -> a flex_attention ``BlockMask`` (same
+            pattern, block-sparse: memory grows with the blocks, not with ``Q * (T + Q)``).
+    """
+    B, T = context_valid.shape
+    A = anchors.shape[1]
+    device = anchors.device
+    anchor_of_query = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
+    block_of = torch.arange(A, device=device).repeat_interleave(block_size)  # [Q]
+    if kind == "flex":
+        def mask_mod(b, h, q, kv):
+            in_context = kv < T
+            sees_context = (kv < anchor_of_query[b, q]) & context_valid[b, kv.clamp(max=T - 1)]
+            same_block = block_of[q] == block_of[(kv - T).clamp(min=0)]
+            return (in_context & sees_context) | (~in_context & same_block)
+        return create_block_mask(mask_mod, B, None, A * block_size, T + A * block_size, device=device)
+    if kind != "sdpa":
+        raise ValueError(f"DFlash attention {kind!r} must be sdpa or flex")
+    sees_context = (torch.arange(T, device=device)[None, None, :] < anchor_of_query[..., None]) & context_valid[:, None, :]
+    sees_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)
+    return torch.cat([sees_context, sees_block], dim=-1)[:, None]
+
+
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random anchor positions among response tokens whose next token is a response token too.
+
+    Args:
+        loss_mask: ``[B, T]`` bool, True on response (trainable) tokens.
+        max_anchors: at most this many per sequence (without replacement).
+    Returns:
+        ``[B, A]`` int64 sorted positions, -1 padding; A = the largest count in the batch (>= 1).
+    """
+    candidates = loss_mask.clone()
+    candidates[:, :-1] &= loss_mask[:, 1:]
+    candidates[:, -1] = False
+    scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device).masked_fill(~candidates, -1.0)
+    A = max(1, min(max_anchors, int(candidates.sum(1).max())))
+    top, index = scores.topk(A, dim=1)
+    anchors = torch.where(top >= 0, index, -1)
+    return anchors.sort(dim=1).values  # ascending, padding (-1) first
+
+
+def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets of block positions k = 1..B-1: ``token[anchor + k]``, valid where that token is a response token.
+
+    Returns ``(labels, valid)``, both ``[B, A, block_size - 1]`` (int64, bool)."""
+    T = input_ids.shape[1]
+    pos = anchors[..., None] + torch.arange(1, block_size, device=anchors.device)
+    inside = (anchors[..., None] >= 0) & (pos < T)
+    pos = pos.clamp(0, T - 1)
+    flat = pos.flatten(1)
+    labels = input_ids.gather(1, flat).view(pos.shape)
+    valid = inside & loss_mask.gather(1, flat).view(pos.shape)
+    return labels, valid
+
+
+def position_weights(block_size: int, decay: float) -> torch.Tensor:
+    """``[B-1]`` loss weights ``exp(-(k-1)/decay)`` for block positions k = 1..B-1 (DFlash paper, sec. 3)."""
+    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / decay)
+
+
+def default_decay(block_size: int) -> float:
+    """The paper's loss-decay gamma for its block sizes: 7 for 16, 5 for 10, 4 for 8.
+    Raises ``ValueError`` for another size (set ``dflash.loss_decay``)."""
+    paper = {16: 7.0, 10: 5.0, 8: 4.0}
+    if block_size not in paper:
+        raise ValueError(f"no paper loss decay for block_size={block_size} (known: {sorted(paper)}); "
+                         f"set dflash.loss_decay")
+    return paper[block_size]
+
+
+def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted cross-entropy over block positions 1..B-1, and training-time acceptance estimates.
+
+    Args:
+        hidden: ``[B, A, S, D]`` from :meth:`DFlashDraftModel.forward`; labels, valid: ``[B, A, S-1]``.
+        decay: position weight ``exp(-(k-1)/decay)``; the loss is normalised by the weight sum of valid targets.
+    Returns:
+        ``(loss, metrics)``; metrics (detached): ``acc_pos{k}`` (top-1 accuracy at position k, unconditional),
+        ``alpha_pos{k}`` (accuracy at k given 1..k-1 correct) and ``tau_estimate`` = 1 + sum_k prod_{j<=k}
+        alpha_j, an estimate from teacher-forced blocks: the evaluator's tau is the measurement.
+    Raises ``ValueError`` when no target is valid (a batch without response tokens).
+    """
+    if not valid.any():
+        raise ValueError("a DFlash batch has no valid block target: no response token follows any anchor")
+    S1 = labels.shape[-1]
+    weights = position_weights(S1 + 1, decay).to(hidden.device).expand_as(valid)[valid]
+    logits = model.logits(hidden[:, :, 1:][valid]).float()
+    ce = F.cross_entropy(logits, labels[valid], reduction="none")
+    loss = (ce * weights).sum() / weights.sum()
+    with torch.no_grad():
+        correct = torch.zeros_like(valid)
+        correct[valid] = logits.argmax(-1) == labels[valid]
+        prefix = correct.long().cumprod(-1).bool()  # positions 1..k all correct (an invalid one ends it)
+        reached = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], dim=-1)
+        metrics = {}
+        alpha_prod, tau = 1.0, 1.0
+        for k in range(S1):
+            n_valid = valid[..., k].sum()
+            metrics[f"acc_pos{k + 1}"] = correct[..., k].sum() / n_valid if n_valid else torch.tensor(float("nan"))
+            n_reached = reached[..., k].sum()
+            alpha = prefix[..., k].sum() / n_reached if n_reached else torch.tensor(0.0)
+            metrics[f"alpha_pos{k + 1}"] = alpha
+            alpha_prod = alpha_prod * alpha
+            tau = tau + alpha_prod
+        metrics["tau_estimate"] = torch.as_tensor(tau)
+    return loss, metrics
+
+
+class DFlashDrafter:
+    """A trained :class:`DFlashDraftModel` as the evaluator's chain drafter.
+
+    Each call adds the newly verified tokens' target features to the drafter's context K/V cache (kept
+    across steps; the block's own K/V never enter it) and drafts one block ``[last_token, mask * (B-1)]``
+    at the next positions: gamma = B-1 proposals.
+
+    ``denoise_steps`` > 1 is iterative denoising (not in the paper): after each pass the most confident masked
+    positions (an even share of those left, plus any above ``confidence``) are fixed to their argmax and the
+    block is run again; it stops early once every position left reaches ``confidence``. A position's logits
+    are those of the pass that fixed it. Greedy verification only: a later pass conditions earlier positions
+    on later tokens, so the proposal is not a left-to-right distribution that lossless sampling needs.
+    """
+
+    def __init__(self, model: DFlashDraftModel, denoise_steps: int = 1, confidence: float = 0.9):
+        if denoise_steps < 1:
+            raise ValueError(f"denoise_steps={denoise_steps} must be >= 1")
+        self.model, self.denoise_steps, self.confidence = model.eval(), denoise_steps, confidence
+        self.name = "dflash" if denoise_steps == 1 else f"dflash_denoise{denoise_steps}"
+        self.gamma = model.block_size - 1
+        self.target_layer_ids = model.target_layer_ids
+        self.passes: list[int] = []
+        """Draft passes per step (1 unless denoising), appended at every call."""
+        self.start()
+
+    def start(self) -> None:
+        self._context: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._length = 0
+
+    def _extend(self, features: torch.Tensor) -> None:
+        m = features.shape[0]
+        device = self.model.fc.weight.device
+        positions = torch.arange(self._length, self._length + m, device=device)[None]
+        new = self.model.context_kv(self.model.fuse(features[None].to(device)), positions)
+        self._context = new if self._context is None else [
+            (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self._context, new)]
+        self._length += m
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None) -> torch.Tensor:
+        if features is not None and len(features):
+            self._extend(features)
+        if self._context is None:
+            raise RuntimeError("DFlash drafts from target features: the first call must carry the prompt's")
+        model, S = self.model, self.model.block_size
+        device = model.fc.weight.device
+        ids = torch.full((1, S), model.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = last_token
+        positions = torch.arange(self._length, self._length + S, device=device)[None]
+        fixed = torch.zeros(S - 1, dtype=torch.bool, device=device)
+        out = None
+        for step in range(self.denoise_steps):
+            logits = model.logits(model.blocks(ids, positions, self._context, None))[0, 1:].float()
+            out = logits if out is None else torch.where(fixed[:, None], out, logits)
+            if step == self.denoise_steps - 1:
+                break
+            confidence, tokens = logits.softmax(-1).max(-1)
+            open_ = ~fixed
+            if bool((confidence[open_] >= self.confidence).all()):
+                break
+            share = math.ceil(int(open_.sum()) / (self.denoise_steps - step))
+            ranked = confidence.masked_fill(fixed, -1.0).argsort(descending=True)[:share]
+            newly = torch.zeros_like(fixed)
+            newly[ranked] = True
+            newly |= open_ & (confidence >= self.confidence)
+            fixed |= newly
+            ids[0, 1:] = torch.where(newly, tokens, ids[0, 1:])
+        self.passes.append(step + 1)
+        return out
