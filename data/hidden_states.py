@@ -45,8 +45,8 @@ def attach_hidden_states(model: PreTrainedModel, rows: list[dict], batch_size: i
     key = "hidden_states" if layer_ids is None else "target_features"
     order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))
     device = next(model.parameters()).device
-    for s in tqdm(range(0, len(order), batch_size), desc="target hidden states" if layer_ids is None else "target layer features", unit="batch",
-                  disable=not show_progress):
+    desc = "target hidden states" if layer_ids is None else "target layer features"
+    for s in tqdm(range(0, len(order), batch_size), desc=desc, unit="batch", disable=not show_progress):
         chunk = [rows[i] for i in order[s:s + batch_size]]
         batch = collate(chunk, pad_token_id)
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)

@@ -291,7 +291,8 @@ def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, blo
         return create_block_mask(mask_mod, B, None, A * block_size, T + A * block_size, device=device)
     if kind != "sdpa":
         raise ValueError(f"DFlash attention {kind!r} must be sdpa or flex")
-    sees_context = (torch.arange(T, device=device)[None, None, :] < anchor_of_query[..., None]) & context_valid[:, None, :]
+    before_anchor = torch.arange(T, device=device)[None, None, :] < anchor_of_query[..., None]
+    sees_context = before_anchor & context_valid[:, None, :]
     sees_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 

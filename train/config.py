@@ -1,7 +1,7 @@
 """Typed configuration schemas behind ``conf/`` (Hydra structured configs).
 
-``conf/medusa.yaml`` extends :class:`MedusaRunConfig`; every field is documented here, where it is
-declared, and a key that is not declared is an error.
+``conf/medusa.yaml`` extends :class:`MedusaRunConfig` and ``conf/dflash.yaml`` :class:`DFlashRunConfig`; every
+field is documented here, where it is declared, and a key that is not declared is an error.
 """
 
 from __future__ import annotations
@@ -139,27 +139,76 @@ class TrackerConfig:
 
 
 @dataclass
-class MedusaRunConfig:
-    """``train/medusa.py``: two-stage Medusa training, evaluation and export."""
+class RunConfig:
+    """What every training job shares: target, data, optimisation, evaluation, tracking, run directory."""
     model: TargetSpec = field(default_factory=TargetSpec)
     data: DataConfig = field(default_factory=DataConfig)
-    medusa: MedusaConfig = field(default_factory=MedusaConfig)
-    stage1: StageConfig = field(default_factory=StageConfig)
-    stage2: Stage2Config = field(default_factory=Stage2Config)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
-    output_dir: str = "runs/medusa"
+    output_dir: str = "runs/run"
     """Run directory: config.yaml, checkpoints/, report.json, plots, export/. The same on every rank."""
     cache_dir: str = "${oc.env:DRAFTHEADS_CACHE,${oc.env:HOME}/.cache/draftheads}"
     """Converted models and regenerated data, reused across runs."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
     export: bool = True
-    """Write export/vllm, export/tgi (and export/target after stage 2) at the end."""
+    """Write the drafter's server formats under output_dir/export at the end."""
 
 
-def to_schema(cfg: DictConfig) -> MedusaRunConfig:
+@dataclass
+class MedusaRunConfig(RunConfig):
+    """``train/medusa.py``: two-stage Medusa training, evaluation and export (export/vllm, export/tgi, and
+    export/target after stage 2)."""
+    medusa: MedusaConfig = field(default_factory=MedusaConfig)
+    stage1: StageConfig = field(default_factory=StageConfig)
+    stage2: Stage2Config = field(default_factory=Stage2Config)
+    output_dir: str = "runs/medusa"
+
+
+@dataclass
+class DFlashConfig:
+    """The DFlash drafter (arXiv 2602.06036) and how it trains and drafts."""
+    block_size: int = 16
+    """B: the anchor plus B-1 drafted tokens per target forward (gamma = B-1)."""
+    num_layers: int = 1
+    """Draft decoder layers (the paper uses 1-5)."""
+    num_target_features: int = 5
+    """K target layers read, spaced evenly from layer 1 to L-3 (ignored when target_layer_ids is set)."""
+    target_layer_ids: list[int] | None = None
+    """Explicit target layer ids; id i is the output of decoder layer i (0-based)."""
+    mask_token_id: int | None = None
+    """Token at block positions 1..B-1; default: the tokenizer's mask, reserved or a spare special token."""
+    qk_norm: bool = True
+    """Per-head q/k RMSNorm in every draft layer, as vLLM and SGLang always build them."""
+    max_anchors: int = 512
+    """Blocks trained per sequence, anchors drawn at random among response tokens, every epoch anew."""
+    loss_decay: float | None = None
+    """Position k's loss weight is exp(-(k-1)/loss_decay); default: the paper's 7/5/4 for B = 16/10/8."""
+    attention: str = "auto"
+    """Training attention over many blocks: flex (block-sparse flex_attention, compiled), sdpa (dense boolean
+    mask), auto (flex on GPUs, sdpa on CPUs)."""
+    features: str = "offline"
+    """offline: target features computed once before training and kept in memory; online: a target forward
+    (no autograd) per batch (less memory, more compute)."""
+    denoise_steps: int = 4
+    """Also evaluate iterative denoising with this many passes per block (greedy only); 1 skips it."""
+    denoise_confidence: float = 0.9
+    """Denoising fixes any position whose top probability reaches this, and stops when all left do."""
+    medusa_run: str | None = None
+    """A finished Medusa run directory for the same target, measured beside DFlash in the same evaluation
+    (chain and tree); a missing directory is reported and skipped."""
+
+
+@dataclass
+class DFlashRunConfig(RunConfig):
+    """``train/dflash.py``: DFlash training, evaluation and export (export/dflash)."""
+    dflash: DFlashConfig = field(default_factory=DFlashConfig)
+    train: StageConfig = field(default_factory=StageConfig)
+    output_dir: str = "runs/dflash"
+
+
+def to_schema(cfg: DictConfig) -> RunConfig:
     """The composed config as typed objects. Raises ``ValueError`` naming any key the schema does not declare
     (Hydra lets ``+group.key=...`` add keys to a structured node; they would be silently ignored)."""
     _reject_undeclared(cfg, "")
@@ -186,3 +235,4 @@ def register_configs() -> None:
     """Register the schemas so ``conf/*.yaml`` can extend them (``defaults: [medusa_schema, ...]``)."""
     cs = ConfigStore.instance()
     cs.store(name="medusa_schema", node=MedusaRunConfig)
+    cs.store(name="dflash_schema", node=DFlashRunConfig)

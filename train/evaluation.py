@@ -34,8 +34,8 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     """Decode every prompt with the baseline, the chain drafter and each peer; return the set's metrics.
 
     Args:
-        peers: other methods measured on the same prompts, ``name -> decode(prompt_ids) -> DecodeResult``
-            (tree verification, prompt lookup...); reported under ``peers``.
+        peers: other methods measured on the same prompts, ``name -> decode(prompt_ids, generator) ->
+            DecodeResult`` (tree verification, prompt lookup...); reported under ``peers``.
     With sampling, every method draws from seeded generators; ``greedy_match`` then only says how often two
     independent samples coincide and is reported as None.
     """
@@ -52,7 +52,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
         plain.append(plain_decode(target, ids, max_new_tokens, eos, sampling, generator))
         spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos, sampling, generator))
         for name, decode in peers.items():
-            others[name].append(decode(ids))
+            others[name].append(decode(ids, generator))
         if sampling.greedy and plain[-1].tokens != spec[-1].tokens:
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
     metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
@@ -61,6 +61,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     if not sampling.greedy:  # two samples need not coincide: no match to claim
         for m in [metrics, *metrics.get("peers", {}).values()]:
             m["greedy_match"] = None
+    metrics["method"] = drafter.name
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
     return metrics
 
@@ -86,7 +87,16 @@ def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], gamma: in
                "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
     if any(r.accepted_per_step for r in peer):
         summary["acceptance_rate_per_position"], _ = _acceptance_rates(peer, gamma)
+        summary |= _draft_cost(peer)
     return summary
+
+
+def _draft_cost(results: list[DecodeResult]) -> dict:
+    """Seconds drafting vs verifying, and milliseconds of drafting per verification step."""
+    steps = max(sum(len(r.accepted_per_step) for r in results), 1)
+    draft = sum(r.draft_seconds for r in results)
+    return {"time_split_s": {"draft": draft, "verify": sum(r.verify_seconds for r in results)},
+            "draft_ms_per_step": 1000 * draft / steps}
 
 
 def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: float) -> dict:
@@ -112,7 +122,7 @@ def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, m
         "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s),
         "target_forwards_per_token": {"speculative": sum(r.target_forwards for r in spec) / spec_tokens,
                                       "baseline": sum(r.target_forwards for r in plain) / plain_tokens},
-        "time_split_s": {"draft": sum(r.draft_seconds for r in spec), "verify": sum(r.verify_seconds for r in spec)},
+        **_draft_cost(spec),
         "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, spec)) / len(plain),
         "greedy_ties": sum(m["tie"] for m in mismatches),
         "accepted_histogram": torch.bincount(torch.tensor([n for r in spec for n in r.accepted_per_step], dtype=torch.long),
@@ -134,24 +144,29 @@ def hardware() -> dict:
 
 def format_table(sets: dict) -> str:
     """A terminal table: per eval set, the drafter under test and any peer measured beside it."""
-    head = (f"{'set':<16}{'method':<21}{'tau':>6}{'alpha per position':>26}{'tok/s':>8}{'AR tok/s':>10}"
+    head = (f"{'set':<16}{'method':<21}{'tau':>6}{'alpha per position':>30}{'tok/s':>8}{'AR tok/s':>10}"
             f"{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
-        rows = [("chain", m, " ".join(f"{a:.2f}" for a in m["acceptance_rate_per_position"]),
-                 m["tokens_per_second"]["speculative"])]
-        rows += [(peer, p, " ".join(f"{a:.2f}" for a in p.get("acceptance_rate_per_position", [])),
-                  p["tokens_per_second"]) for peer, p in m.get("peers", {}).items()]
+        rows = [(m["method"], m, _alphas(m["acceptance_rate_per_position"]), m["tokens_per_second"]["speculative"])]
+        rows += [(peer, p, _alphas(p.get("acceptance_rate_per_position", [])), p["tokens_per_second"])
+                 for peer, p in m.get("peers", {}).items()]
         for method, r, alphas, tps in rows:
             match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
-            lines.append(f"{name:<16}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>26}{tps:>8.1f}"
+            lines.append(f"{name:<16}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>30}{tps:>8.1f}"
                          f"{m['tokens_per_second']['baseline']:>10.1f}{r['speedup']:>9.2f}{match:>14}")
     return "\n".join(lines)
 
 
+def _alphas(rates: list[float], shown: int = 5) -> str:
+    """The first ``shown`` per-position rates (a block drafter has up to B-1); the report has them all."""
+    text = " ".join(f"{a:.2f}" for a in rates[:shown])
+    return text + " .." if len(rates) > shown else text
+
+
 def _methods(m: dict) -> dict[str, dict]:
-    """The chain's entry and every peer's, by method name."""
-    return {"chain": m, **m.get("peers", {})}
+    """The drafter's entry and every peer's, by method name."""
+    return {m["method"]: m, **m.get("peers", {})}
 
 
 def plot_acceptance(sets: dict, path: str | Path) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 from models.export.medusa import export_tgi_medusa, export_vllm_medusa, save_heads
-from models.speculative import MedusaDrafter, Sampling, prompt_lookup_decode
+from models.speculative import MedusaDrafter, Sampling, prompt_lookup_decode, speculative_decode
 from models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
 from train.evaluation import eval_prompts, evaluate_set, flat_metrics, format_table, hardware, write_report
 from train.validation import validate
@@ -26,22 +27,15 @@ def load_eval_sets(eval_cfg) -> dict[str, list]:
     return sets
 
 
-def evaluate_heads(eval_cfg, eval_sets: dict[str, list], target, tokenizer, heads,
-                   rank_accuracy: list[list[float]] | None) -> dict:
-    """Speculative evaluation of Medusa heads on every eval set at every temperature in
-    ``eval.temperatures``: ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0.
-
-    Measured side by side: plain decoding, the heads as a chain, the heads as a tree (``medusa_tree``; with
-    t > 0 or ``eval.typical``, ``medusa_tree_typical``) and transformers' prompt lookup (greedy only).
-    ``rank_accuracy`` ([K][r]) grows the default tree.
-    Raises ``ValueError`` for a tree deeper than the heads, or no tree and no accuracies to grow one.
-    """
-    drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
-    tree = _tree(eval_cfg, heads.num_heads, rank_accuracy) if eval_cfg.tree else None
+def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, drafter,
+                     peers_at: Callable[[Sampling], dict]) -> dict:
+    """Speculative evaluation of ``drafter`` on every eval set at every temperature in ``eval.temperatures``:
+    ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
+    measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``)."""
     results = {}
     for temperature in eval_cfg.temperatures:
         sampling = Sampling(temperature, eval_cfg.top_k, eval_cfg.top_p)
-        peers = _peers(eval_cfg, target, tokenizer, drafter, tree, sampling)
+        peers = peers_at(sampling)
         for name, prompts in eval_sets.items():
             key = name if sampling.greedy else f"{name}@T{temperature:g}"
             results[key] = evaluate_set(target, tokenizer, drafter, prompts, eval_cfg.max_new_tokens,
@@ -49,7 +43,23 @@ def evaluate_heads(eval_cfg, eval_sets: dict[str, list], target, tokenizer, head
     return results
 
 
-def _tree(eval_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
+def evaluate_heads(eval_cfg, eval_sets: dict[str, list], target, tokenizer, heads,
+                   rank_accuracy: list[list[float]] | None) -> dict:
+    """Medusa heads evaluated as a chain (``medusa_chain``), beside the heads as a tree (``medusa_tree``; with
+    t > 0 or ``eval.typical``, ``medusa_tree_typical``) and transformers' prompt lookup (greedy only).
+    ``rank_accuracy`` ([K][r]) grows the default tree.
+    Raises ``ValueError`` for a tree deeper than the heads, or no tree and no accuracies to grow one.
+    """
+    drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
+    tree = medusa_tree(eval_cfg, heads.num_heads, rank_accuracy) if eval_cfg.tree else None
+    return evaluate_methods(eval_cfg, eval_sets, target, tokenizer, drafter,
+                            lambda sampling: {**medusa_peers(eval_cfg, target, tokenizer, heads, tree, sampling),
+                                              **prompt_lookup_peer(eval_cfg, target, tokenizer, sampling)})
+
+
+def medusa_tree(eval_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
+    """``eval.medusa_choices`` as a tree, or one grown from rank accuracies ([K][r]) for ``eval.tree_budget``
+    nodes. Raises ``ValueError`` for a tree deeper than ``num_heads`` or neither choices nor accuracies."""
     choices = eval_cfg.medusa_choices
     if choices is None:
         if rank_accuracy is None:
@@ -58,18 +68,29 @@ def _tree(eval_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> 
     return Tree.from_choices(choices, num_heads)
 
 
-def _peers(eval_cfg, target, tokenizer, drafter, tree: Tree | None, sampling: Sampling) -> dict:
-    """The methods measured beside the chain at this temperature."""
+def medusa_peers(eval_cfg, target, tokenizer, heads, tree: Tree | None, sampling: Sampling,
+                 chain: bool = False) -> dict:
+    """Medusa as a peer at this temperature: the tree (greedy, or typical acceptance at t > 0 or with
+    ``eval.typical``) and, with ``chain``, the heads as a chain too (for runs of another drafter)."""
     eos, n = tokenizer.eos_token_id, eval_cfg.max_new_tokens
+    drafter = MedusaDrafter(heads.eval(), target.get_output_embeddings())
     peers = {}
+    if chain:
+        peers[drafter.name] = lambda ids, gen: speculative_decode(target, drafter, ids, n, eos, sampling, gen)
     if tree is not None:
         typical = (TypicalAcceptance(eval_cfg.typical_epsilon, eval_cfg.typical_delta, sampling.temperature or 0.7)
                    if eval_cfg.typical or not sampling.greedy else None)
         peers["medusa_tree_typical" if typical else "medusa_tree"] = \
-            lambda ids: tree_decode(target, drafter, tree, ids, n, eos, typical)
-    if eval_cfg.prompt_lookup_tokens > 0 and sampling.greedy:
-        peers["prompt_lookup"] = lambda ids: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens)
+            lambda ids, gen: tree_decode(target, drafter, tree, ids, n, eos, typical)
     return peers
+
+
+def prompt_lookup_peer(eval_cfg, target, tokenizer, sampling: Sampling) -> dict:
+    """transformers' prompt-lookup decoding, the model-free peer (greedy only; none at t > 0)."""
+    if eval_cfg.prompt_lookup_tokens <= 0 or not sampling.greedy:
+        return {}
+    eos, n = tokenizer.eos_token_id, eval_cfg.max_new_tokens
+    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens)}
 
 
 def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, str]:

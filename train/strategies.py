@@ -1,10 +1,14 @@
-"""Medusa's two training stages as spine strategies (Medusa paper, sections 2.2.1 and 2.2.2).
+"""The drafters' training stages as spine strategies.
 
+Medusa (paper sections 2.2.1 and 2.2.2):
 - Stage 1 (Medusa-1): the target is frozen and never runs in the loop; heads train on its cached
   last hidden states.
 - Stage 2 (Medusa-2): the last N decoder layers of the target train jointly with the heads, at a lower
   learning rate, with a self-distillation term KL(original target || trained target) on next tokens so the
   target's own output drifts as little as possible.
+
+DFlash (arXiv 2602.06036, section 3): the drafter trains on the target's multi-layer features (cached or
+computed per batch), many random blocks per sequence in one pass, with position-decayed cross-entropy.
 
 Only trainable modules are registered in each strategy's module (what DDP wraps and checkpoints save);
 frozen parts are held outside registration.
@@ -17,21 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from data.hidden_states import layer_features
+from models.dflash import DFlashDraftModel, block_labels, dflash_loss, sample_anchors
 from models.medusa import MedusaHeads, medusa_loss, medusa_targets
-
-
-def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
-
-    Raises ``ValueError`` when the architecture keeps them elsewhere.
-    """
-    base = model.base_model
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(base, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"cannot find the decoder layer list of {type(model).__name__} "
-                     f"(looked for .layers, .h, .blocks on {type(base).__name__})")
+from models.target import decoder_layers
 
 
 def next_token_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -120,6 +113,43 @@ class MedusaStage2:
     def param_groups(self, lr: float) -> list[dict]:
         return [{"params": list(self.module.heads.parameters()), "lr": lr},
                 {"params": list(self.module.layers.parameters()), "lr": lr * self.backbone_lr_scale}]
+
+    def forward_loss(self, module, batch):
+        return module(batch)
+
+
+class _DFlashModule(nn.Module):
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.frozen = (target,)
+        self.max_anchors, self.decay = max_anchors, decay
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        features = batch.get("target_features")
+        if features is None:  # online: the frozen target runs without autograd
+            features = layer_features(self.frozen[0], batch["input_ids"], batch["attention_mask"],
+                                      self.drafter.target_layer_ids)
+        anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
+        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
+        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)
+        loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.decay)
+        metrics["blocks_per_row"] = (anchors >= 0).float().sum(1).mean()
+        return loss, metrics
+
+
+class DFlashTraining:
+    """The DFlash drafter on target features: ``target_features`` from the batch (offline) or from a target
+    forward per batch (online)."""
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float,
+                 online: bool):
+        self.module = _DFlashModule(drafter, target, max_anchors, decay)
+        self.required_fields = ("input_ids", "attention_mask", "loss_mask") + (() if online else ("target_features",))
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return [{"params": list(self.module.drafter.parameters()), "lr": lr}]
 
     def forward_loss(self, module, batch):
         return module(batch)

@@ -1,0 +1,147 @@
+"""The whole DFlash job on the tiny random target: training, validation, export, evaluation beside a Medusa
+run, exact resume, 2-process DDP."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from models.export.dflash import load_dflash
+from models.target import TINY, TargetSpec, load_target
+from train.config import register_configs
+from train.dflash import load_medusa_peer
+from train.dflash import run as run_dflash
+from train.medusa import run as run_medusa
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+def cfg(job, output_dir, cache_dir, *overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(job, overrides=["+experiment=smoke", f"output_dir={output_dir}", f"cache_dir={cache_dir}",
+                                       *overrides])
+
+
+@pytest.fixture(scope="module")
+def medusa_run(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("medusa")
+    run_medusa(cfg("medusa", out, cache_dir, "stage2.enabled=false", "eval.enabled=false", "export=false"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dflash_run(tmp_path_factory, cache_dir, medusa_run):
+    out = tmp_path_factory.mktemp("dflash")
+    report = run_dflash(cfg("dflash", out, cache_dir, "train.epochs=6", "trainer.keep_last=100",
+                            f"dflash.medusa_run={medusa_run}", "dflash.block_size=8"))
+    return out, report
+
+
+def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache_dir):
+    out, report = dflash_run
+    assert (out / "acceptance.png").stat().st_size > 1000 and (out / "report.json").exists()
+    curve = [h["dflash/loss"] for h in report["train_curves"]["dflash"]]
+    assert sum(curve[-3:]) < 0.9 * sum(curve[:3])  # the loss falls
+    logged = report["train_curves"]["dflash"][-1].keys()
+    assert {"dflash/acc_pos1", "dflash/alpha_pos7", "dflash/tau_estimate"} <= logged
+    assert report["validation"]["val/dflash_loss"] < math.log(512)  # held-out rows: better than a uniform guess
+    assert 1.0 <= report["validation"]["val/tau_estimate"] <= 8.0
+    for name, m in report["eval"].items():
+        assert m["method"] == "dflash" and m["gamma"] == 7 and m["greedy_match"] == 1.0, (name, m["mismatches"])
+        assert 1.0 <= m["acceptance_length"] <= 8.0
+        assert set(m["peers"]) == {"dflash_denoise4", "medusa_chain", "medusa_tree", "prompt_lookup"}
+        assert all(p["greedy_match"] == 1.0 for p in m["peers"].values())
+        assert len(m["peers"]["dflash_denoise4"]["acceptance_rate_per_position"]) == 7
+        assert m["peers"]["dflash_denoise4"]["time_split_s"]["draft"] > 0
+    assert report["medusa_peer"].startswith("Medusa heads of")
+    # the export reloads strictly and is the trained drafter
+    target, _, _ = load_target(TargetSpec(name_or_path=TINY), cache_dir)
+    drafter = load_dflash(out / "export" / "dflash", target)
+    assert drafter.block_size == 8 and list(drafter.target_layer_ids) == report["drafter"]["target_layer_ids"]
+
+
+def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cache_dir, medusa_run):
+    out, _ = dflash_run
+    cut = tmp_path / "cut"
+    shutil.copytree(out / "checkpoints", cut / "checkpoints")
+    for d in sorted((cut / "checkpoints").iterdir()):
+        if d.name != "dflash-step000005":
+            shutil.rmtree(d)
+    report = run_dflash(cfg("dflash", cut, cache_dir, "train.epochs=6", "resume=true", "eval.enabled=false",
+                            f"dflash.medusa_run={medusa_run}", "dflash.block_size=8"))
+    assert report["train_curves"]["dflash"][0]["step"] > 5
+    a, b = (load_file(str(d / "export" / "dflash" / "model.safetensors")) for d in (out, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_medusa_run_for_another_target_is_refused(medusa_run):
+    identity = json.loads((medusa_run / "medusa_heads" / "medusa_heads.json").read_text())["target"]
+    assert load_medusa_peer(str(medusa_run), identity)[0] is not None
+    with pytest.raises(ValueError, match="another target.*hidden_size"):
+        load_medusa_peer(str(medusa_run), {**identity, "hidden_size": 32})
+    heads, _, note = load_medusa_peer(str(medusa_run / "nothing"), identity)
+    assert heads is None and "no finished Medusa run" in note
+
+
+def test_online_features_train_like_offline_ones(tiny):
+    """The online mode (target forward per batch) computes the same loss as cached features."""
+    from data.batching import collate
+    from data.hidden_states import attach_hidden_states
+    from models.dflash import DFlashDraftModel
+    from train.strategies import DFlashTraining
+    model, tok = tiny
+    rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
+    torch.manual_seed(0)
+    drafter = DFlashDraftModel.for_target(model, 1, 6, [1, 3], 3)
+    offline, online = (DFlashTraining(drafter, model, 8, 4.0, online=o) for o in (False, True))
+    attach_hidden_states(model, rows, 2, tok.pad_token_id, False, layer_ids=[1, 3])
+    batch = collate(rows, tok.pad_token_id)
+    losses = []
+    for strategy, b in ((offline, batch), (online, {k: v for k, v in batch.items() if k != "target_features"})):
+        torch.manual_seed(1)  # the same anchors
+        losses.append(strategy.forward_loss(strategy.module, b)[0])
+    torch.testing.assert_close(losses[0], losses[1])
+    assert "target_features" in offline.required_fields and "target_features" not in online.required_fields
+
+
+def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
+    out = tmp_path / "ddp"
+    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           str(ROOT / "train" / "dflash.py"), "+experiment=smoke", "train.epochs=6", "dflash.block_size=8",
+           "dflash.medusa_run=null", f"output_dir={out}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
+    steps = report["train_curves"]["dflash"][-1]["step"]
+    assert steps == dflash_run[1]["train_curves"]["dflash"][-1]["step"] // 2
+
+
+def test_evaluate_a_saved_dflash_run_with_sampling(dflash_run):
+    """train/evaluate.py on the DFlash run at T 0 and 0.7: denoising and prompt lookup are greedy-only."""
+    from train.evaluate import main as evaluate_main
+    out, _ = dflash_run
+    report = evaluate_main([str(out), "eval.temperatures=[0,0.7]", "eval.max_new_tokens=10"])
+    assert set(report["eval"]) == {"chitchat", "humaneval", "chitchat@T0.7", "humaneval@T0.7"}
+    hot = report["eval"]["chitchat@T0.7"]
+    assert hot["method"] == "dflash" and hot["greedy_match"] is None
+    assert set(hot["peers"]) == {"medusa_chain", "medusa_tree_typical"}
+    assert report["eval"]["chitchat"]["greedy_match"] == 1.0
+
+
+def test_resuming_in_another_jobs_run_directory_is_refused(medusa_run, cache_dir, tmp_path):
+    other = tmp_path / "medusa_copy"
+    shutil.copytree(medusa_run / "checkpoints", other / "checkpoints")
+    with pytest.raises(ValueError, match="stage 'stage1', not one of this job's \\['dflash'\\]"):
+        run_dflash(cfg("dflash", other, cache_dir, "resume=true", "dflash.medusa_run=null"))

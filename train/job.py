@@ -1,0 +1,86 @@
+"""What every training job (``train/medusa.py``, ``train/dflash.py``) does around its own strategies: open
+the run (accelerator, target, eval sets, resume point), build the self-distilled rows and their cached target
+states, close the run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from accelerate import Accelerator
+from omegaconf import DictConfig, OmegaConf
+
+from data.batching import DataReport, rank_shard
+from data.hidden_states import attach_hidden_states
+from data.pipeline import describe, self_distilled_rows
+from models.target import load_target, model_identity
+from train.checkpoint import latest_checkpoint
+from train.config import RunConfig, to_schema
+from train.finish import load_eval_sets
+from train.runtime import make_accelerator, print0
+
+
+@dataclass
+class Job:
+    """An open run on this process."""
+    conf: RunConfig
+    accelerator: Accelerator
+    out: Path
+    eval_sets: dict[str, list]
+    target: object
+    tokenizer: object
+    target_path: str
+    identity: dict
+    resume: tuple[Path, dict] | None
+    """The checkpoint to continue from (``resume=true``) and its meta."""
+
+
+def open_job(cfg: DictConfig, stages: tuple[str, ...]) -> Job:
+    """Typed config, accelerator and tracker, eval sets (a bad file fails now, not after training), the target
+    on this process's device, the resume point, and ``config.yaml`` in the run directory.
+
+    Raises ``ValueError`` for an undeclared config key, and, with ``resume=true``, for a checkpoint of another
+    target or of a stage not in ``stages`` — before any work.
+    """
+    conf = to_schema(cfg)
+    accelerator = make_accelerator(cfg, run_name=Path(conf.output_dir).name)
+    out = Path(conf.output_dir)
+    eval_sets = load_eval_sets(conf.eval)
+    with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
+        target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
+    target.to(accelerator.device)
+    identity = model_identity(target, conf.model)
+    print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
+                        f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
+    resume = latest_checkpoint(out, identity, stages) if conf.resume else None
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+    return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+
+
+def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
+             attach: bool = True) -> tuple[list[dict], list[dict], DataReport]:
+    """Training and validation rows answered by the target (cached), with ``attach`` each with its cached target
+    states: ``hidden_states`` (last layer) or, with ``layer_ids``, ``target_features``. Every process attaches
+    states to its own training share; the main process also to the validation rows."""
+    accelerator, conf = job.accelerator, job.conf
+    with accelerator.main_process_first():  # rank 0 regenerates; the others read its cache
+        train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
+                                                           conf.cache_dir, accelerator.is_main_process)
+    print0(accelerator, f"data: {describe(report)}")
+    if not attach:
+        return train_rows, val_rows, report
+    pad, bs = job.tokenizer.pad_token_id, conf.trainer.hidden_states_batch_size
+    attach_hidden_states(job.target, rank_shard(train_rows, accelerator.process_index, accelerator.num_processes),
+                         bs, pad, accelerator.is_main_process, layer_ids=layer_ids)
+    if accelerator.is_main_process:
+        attach_hidden_states(job.target, val_rows, bs, pad, False, layer_ids=layer_ids)
+    return train_rows, val_rows, report
+
+
+def close_job(job: Job, report: dict) -> dict:
+    """Wait for every process, end the tracker; returns ``report`` (empty on other processes)."""
+    job.accelerator.wait_for_everyone()
+    job.accelerator.end_training()
+    return report
