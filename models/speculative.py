@@ -105,6 +105,8 @@ class DecodeResult:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    gamma: int = 0
+    """Draft positions verified per step (0: the method reports no steps)."""
     accepted_per_step: list[int] = field(default_factory=list)
     """Per verification step: draft tokens accepted (0..gamma); tokens emitted = accepted + 1."""
     emitted_per_step: list[int] = field(default_factory=list)
@@ -211,7 +213,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     states, features = _forward(target, prompt_ids, cache, layer_ids)
     hidden = states[-1]
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
-    result = DecodeResult(tokens=[], target_forwards=1)
+    result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma)
     result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()

@@ -159,7 +159,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     cache = DynamicCache(config=target.config)
     hidden = _forward(target, prompt_ids, cache)[0][-1]
     x0 = int(lm_head(hidden).argmax())
-    result = DecodeResult(tokens=[], target_forwards=1)
+    result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth))
     result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()

@@ -61,6 +61,7 @@ def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache
         assert set(m["peers"]) == {"dflash_denoise4", "medusa_chain", "medusa_tree", "prompt_lookup"}
         assert all(p["greedy_match"] == 1.0 for p in m["peers"].values())
         assert len(m["peers"]["dflash_denoise4"]["acceptance_rate_per_position"]) == 7
+        assert len(m["peers"]["medusa_chain"]["acceptance_rate_per_position"]) == 4  # the peer's own gamma
         assert m["peers"]["dflash_denoise4"]["time_split_s"]["draft"] > 0
     assert report["medusa_peer"].startswith("Medusa heads of")
     # the export reloads strictly and is the trained drafter

@@ -57,7 +57,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
     metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
     if peers:
-        metrics["peers"] = {name: _peer_summary(plain, results, drafter.gamma) for name, results in others.items()}
+        metrics["peers"] = {name: _peer_summary(plain, results) for name, results in others.items()}
     if not sampling.greedy:  # two samples need not coincide: no match to claim
         for m in [metrics, *metrics.get("peers", {}).values()]:
             m["greedy_match"] = None
@@ -75,9 +75,10 @@ def _acceptance_rates(results: list[DecodeResult], gamma: int) -> tuple[list[flo
     return [p / a if a else 0.0 for p, a in zip(passed, attempted)], [p / steps for p in passed]
 
 
-def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], gamma: int) -> dict:
+def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult]) -> dict:
     """tau (tokens per verification forward, after the prefill's token), tokens/s and speedup over the same
-    baseline, greedy agreement, and per-position acceptance when the method reports it."""
+    baseline, greedy agreement, and per-position acceptance (over the peer's own gamma) and draft cost when
+    the method reports steps."""
     verify_forwards = sum(r.target_forwards - 1 for r in peer)
     tps = sum(len(r.tokens) for r in peer) / sum(r.seconds for r in peer)
     summary = {"acceptance_length": sum(len(r.tokens) - 1 for r in peer) / max(verify_forwards, 1),
@@ -86,7 +87,7 @@ def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], gamma: in
                "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
                "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
     if any(r.accepted_per_step for r in peer):
-        summary["acceptance_rate_per_position"], _ = _acceptance_rates(peer, gamma)
+        summary["acceptance_rate_per_position"], _ = _acceptance_rates(peer, max(r.gamma for r in peer))
         summary |= _draft_cost(peer)
     return summary
 
@@ -148,7 +149,7 @@ def format_table(sets: dict) -> str:
             f"{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
-        rows = [(m["method"], m, _alphas(m["acceptance_rate_per_position"]), m["tokens_per_second"]["speculative"])]
+        rows = [(_method(m), m, _alphas(m["acceptance_rate_per_position"]), m["tokens_per_second"]["speculative"])]
         rows += [(peer, p, _alphas(p.get("acceptance_rate_per_position", [])), p["tokens_per_second"])
                  for peer, p in m.get("peers", {}).items()]
         for method, r, alphas, tps in rows:
@@ -166,7 +167,12 @@ def _alphas(rates: list[float], shown: int = 5) -> str:
 
 def _methods(m: dict) -> dict[str, dict]:
     """The drafter's entry and every peer's, by method name."""
-    return {m["method"]: m, **m.get("peers", {})}
+    return {_method(m): m, **m.get("peers", {})}
+
+
+def _method(m: dict) -> str:
+    """The drafter's method name (reports written before names were recorded say ``chain``)."""
+    return m.get("method", "chain")
 
 
 def plot_acceptance(sets: dict, path: str | Path) -> None:
