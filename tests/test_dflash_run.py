@@ -68,6 +68,11 @@ def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache
     target, _, _ = load_target(TargetSpec(name_or_path=TINY), cache_dir)
     drafter = load_dflash(out / "export" / "dflash", target)
     assert drafter.block_size == 8 and list(drafter.target_layer_ids) == report["drafter"]["target_layer_ids"]
+    from train.export import main as export_main  # rewrites the same files from the strict reload
+    before = load_file(str(out / "export" / "dflash" / "model.safetensors"))
+    assert export_main([str(out)]) == {"dflash": str(out / "export" / "dflash")}
+    after = load_file(str(out / "export" / "dflash" / "model.safetensors"))
+    assert all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
 
 
 def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cache_dir, medusa_run):
