@@ -165,10 +165,6 @@ class DFlashDraftModel(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    @property
-    def num_target_features(self) -> int:
-        return len(self.target_layer_ids)
-
     def check_target(self, target_config, where: str) -> None:
         """``ValueError`` naming ``where`` when this drafter was not made for a target of these sizes."""
         mine = {"hidden_size": self.config.hidden_size, "vocab_size": self.config.vocab_size,
@@ -406,8 +402,6 @@ class DFlashDrafter:
         self.name = "dflash" if denoise_steps == 1 else f"dflash_denoise{denoise_steps}"
         self.gamma = model.block_size - 1
         self.target_layer_ids = model.target_layer_ids
-        self.passes: list[int] = []
-        """Draft passes per step (1 unless denoising), appended at every call."""
         self.start()
 
     def start(self) -> None:
@@ -452,5 +446,4 @@ class DFlashDrafter:
             newly |= open_ & (confidence >= self.confidence)
             fixed |= newly
             ids[0, 1:] = torch.where(newly, tokens, ids[0, 1:])
-        self.passes.append(step + 1)
         return out
