@@ -139,6 +139,20 @@ def test_anchors_and_labels_line_up(tiny):
     assert default_decay(16) == 7 and default_decay(10) == 5 and default_decay(8) == 4
 
 
+def _train(drafter, features, ids, loss_mask, max_anchors, steps) -> dict:
+    """AdamW at 1e-2 on fresh random blocks every step; the last step's metrics."""
+    attention = torch.ones_like(ids)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        anchors = sample_anchors(loss_mask, max_anchors)
+        labels, valid = block_labels(ids, loss_mask, anchors, drafter.block_size)
+        loss, metrics = dflash_loss(drafter, drafter(features, ids, attention, anchors), labels, valid, 4.0)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return metrics
+
+
 def test_labels_are_not_shifted_a_drafter_learns_a_deterministic_sequence(tiny):
     """Rows cycle through 5 tokens; a drafter with correctly aligned labels predicts every block position
     (a label shifted by one would predict the token one step behind: accuracy ~0)."""
@@ -151,15 +165,7 @@ def test_labels_are_not_shifted_a_drafter_learns_a_deterministic_sequence(tiny):
     attention = torch.ones_like(ids)
     loss_mask = torch.ones_like(ids, dtype=torch.bool)
     loss_mask[:, :4] = False
-    features = layer_features(model, ids, attention, [1, 3])
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(120):
-        anchors = sample_anchors(loss_mask, 8)
-        labels, valid = block_labels(ids, loss_mask, anchors, 6)
-        loss, metrics = dflash_loss(drafter, drafter(features, ids, attention, anchors), labels, valid, 4.0)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    metrics = _train(drafter, layer_features(model, ids, attention, [1, 3]), ids, loss_mask, 8, 120)
     assert all(metrics[f"acc_pos{k}"] > 0.95 for k in range(1, 6)), metrics
     assert metrics["tau_estimate"] > 5.5
 
@@ -189,15 +195,7 @@ def test_a_drafter_that_knows_the_features_gets_whole_blocks_accepted(tiny):
     loss_mask[0, len(ids):] = True
     torch.manual_seed(0)
     drafter = DFlashDraftModel.for_target(model, 1, 4, LAYERS, choose_mask_token(tok, model.config.vocab_size))
-    features = layer_features(model, row, attention, LAYERS)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
-    for _ in range(150):  # overfit the one sequence
-        anchors = sample_anchors(loss_mask, 64)
-        labels, valid = block_labels(row, loss_mask, anchors, 4)
-        loss, _ = dflash_loss(drafter, drafter(features, row, attention, anchors), labels, valid, 4.0)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+    _train(drafter, layer_features(model, row, attention, LAYERS), row, loss_mask, 64, 150)  # overfit one row
     spec = speculative_decode(model, DFlashDrafter(drafter), ids, 30, None)
     assert spec.tokens == truth[:30]
     assert len(spec.tokens) / len(spec.accepted_per_step) > 3.0  # close to the block size of 4

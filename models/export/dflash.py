@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
 from models.dflash import DFlashDraftModel
+from models.export import check_tensors
 from models.target import decoder_layers
 
 WEIGHTS = "model.safetensors"
@@ -51,17 +52,6 @@ def expected_shapes(config, qk_norm: bool) -> dict[str, tuple[int, ...]]:
         if qk_norm:
             shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
-
-
-def _check(tensors: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], where: Path) -> None:
-    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
-    if missing:
-        raise ValueError(f"{where}: missing tensors {missing}")
-    if unexpected:
-        raise ValueError(f"{where}: unexpected tensors {unexpected}")
-    for key, shape in expected.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(f"{where}: tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {shape}")
 
 
 def _has_qk_norm(model: DFlashDraftModel) -> bool:
@@ -94,7 +84,7 @@ def export_dflash(model: DFlashDraftModel, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    _check(tensors, expected_shapes(model.config, _has_qk_norm(model)), out / WEIGHTS)
+    check_tensors(tensors, expected_shapes(model.config, _has_qk_norm(model)), out / WEIGHTS)
     tmp = out / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / WEIGHTS)
@@ -122,7 +112,7 @@ def load_dflash(path: str | Path, target: PreTrainedModel) -> DFlashDraftModel:
     config = AutoConfig.from_pretrained(path)
     tensors = load_file(str(path / WEIGHTS))
     qk_norm = "layers.0.self_attn.q_norm.weight" in tensors
-    _check(tensors, expected_shapes(config, qk_norm), path / WEIGHTS)
+    check_tensors(tensors, expected_shapes(config, qk_norm), path / WEIGHTS)
     layer = decoder_layers(target)[0]
     model = DFlashDraftModel(config, type(layer), type(target.base_model.norm), type(target.base_model.rotary_emb),
                              target.get_input_embeddings(), target.get_output_embeddings(), qk_norm)

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from models.export import check_tensors
 from models.medusa import MedusaHeads
 
 VLLM_WEIGHTS = "model.safetensors"
@@ -47,16 +48,8 @@ def _name_map(K: int, L: int, block: str, lm: str | None) -> dict[str, str]:
 
 def _check(tensors: dict[str, torch.Tensor], names: dict[str, str], D: int, V: int, where: Path) -> None:
     """``ValueError`` naming ``where`` and the key for a missing, unexpected or wrongly shaped tensor."""
-    expected = {file_key: (V, D) if key.startswith("lm_heads.") else (D, D) if key.endswith("weight") else (D,)
-                for key, file_key in names.items()}
-    missing, unexpected = sorted(expected.keys() - tensors.keys()), sorted(tensors.keys() - expected.keys())
-    if missing:
-        raise ValueError(f"{where}: missing tensors {missing}")
-    if unexpected:
-        raise ValueError(f"{where}: unexpected tensors {unexpected}")
-    for key, shape in expected.items():
-        if tuple(tensors[key].shape) != shape:
-            raise ValueError(f"{where}: tensor {key!r} has shape {tuple(tensors[key].shape)}, expected {shape}")
+    check_tensors(tensors, {file_key: (V, D) if key.startswith("lm_heads.") else (D, D) if key.endswith("weight")
+                            else (D,) for key, file_key in names.items()}, where)
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
