@@ -153,7 +153,8 @@ class RunConfig:
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
     export: bool = True
-    """Write the drafter's server formats under output_dir/export at the end."""
+    """Write the drafter's server formats under output_dir/export at the end (a DFlash run always writes
+    export/dflash: it is also the run's saved model)."""
 
 
 @dataclass
