@@ -9,7 +9,6 @@ A tree is given by ``medusa_choices``: a list of paths of top-k indices, e.g. ``
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 

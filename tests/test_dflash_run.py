@@ -3,10 +3,7 @@ run, exact resume, 2-process DDP."""
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ from train.config import register_configs
 from train.dflash import load_medusa_peer
 from train.dflash import run as run_dflash
 from train.medusa import run as run_medusa
+from tests.helpers import launch_ddp
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -120,15 +118,8 @@ def test_online_features_train_like_offline_ones(tiny):
 
 
 def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
-    out = tmp_path / "ddp"
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "train" / "dflash.py"), "+experiment=smoke", "train.epochs=6", "dflash.block_size=8",
-           "dflash.medusa_run=null", f"output_dir={out}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
+    report = launch_ddp("dflash", tmp_path / "ddp", cache_dir, "train.epochs=6", "dflash.block_size=8",
+                        "dflash.medusa_run=null")
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
     steps = report["train_curves"]["dflash"][-1]["step"]
     assert steps == dflash_run[1]["train_curves"]["dflash"][-1]["step"] // 2

@@ -1,10 +1,7 @@
 """The whole Medusa job on the tiny random target: both stages, evaluation, export, resume, DDP."""
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +12,7 @@ from safetensors.torch import load_file
 from models.export.medusa import load_heads, load_tgi_medusa, load_vllm_medusa
 from train.config import register_configs
 from train.medusa import run
+from tests.helpers import launch_ddp
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,14 +106,7 @@ def test_checkpoint_of_another_model_is_refused(smoke_run, tmp_path, cache_dir):
 
 def test_two_process_ddp_run(tmp_path, cache_dir, smoke_run):
     """Real 2-process DDP on CPU (gloo) through accelerate launch."""
-    out = tmp_path / "ddp"
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "train" / "medusa.py"), "+experiment=smoke", *SMOKE_STAGES, f"output_dir={out}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((out / "report.json").read_text())
+    report = launch_ddp("medusa", tmp_path / "ddp", cache_dir, *SMOKE_STAGES)
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
     # each rank trained on half the rows: half the optimizer steps of the 1-process run
     steps = report["train_curves"]["stage1"][-1]["step"]

@@ -4,12 +4,11 @@ import torch
 from models.medusa import MedusaHeads
 from models.speculative import MedusaDrafter, plain_decode, speculative_decode
 from train.evaluation import summarize
+from tests.helpers import StubDrafter
 
 
-class RandomDrafter:
-    name, target_layer_ids = "test", ()
+class RandomDrafter(StubDrafter):
     gamma = 4
-    start = staticmethod(lambda: None)
 
     def __init__(self, vocab):
         self.vocab = vocab
@@ -52,11 +51,9 @@ def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
     ids = _prompt(tok)
     truth = plain_decode(model, ids, 40, eos_id=None).tokens
 
-    class Oracle:
+    class Oracle(StubDrafter):
         """Knows the target's greedy continuation; if all is accepted, step s starts at token 1 + 5 s."""
-        name, target_layer_ids = "test", ()
         gamma, calls = 4, 0
-        start = staticmethod(lambda: None)
 
         def draft_logits(self, hidden_state, last_token, features):
             start = 1 + 5 * self.calls

@@ -12,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from models.speculative import Sampling, accept_chain, plain_decode, speculative_decode
+from tests.helpers import StubDrafter
 
 Z_999 = 3.0902  # standard normal quantile for 1 - 1e-3
 
@@ -112,10 +113,8 @@ def test_top_k_and_top_p_processing():
     torch.testing.assert_close(Sampling(0.5).probs(logits), (logits / 0.5).softmax(-1))
 
 
-class _FixedDrafter:
-    name, target_layer_ids = "test", ()
+class _FixedDrafter(StubDrafter):
     gamma = 2
-    start = staticmethod(lambda: None)
 
     def __init__(self, vocab):
         self.logits = torch.randn(self.gamma, vocab, generator=torch.Generator().manual_seed(5)) * 2

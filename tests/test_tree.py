@@ -5,6 +5,7 @@ from data.regenerate import prompt_ids
 from models.medusa import MedusaHeads
 from models.speculative import MedusaDrafter, plain_decode
 from models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
+from tests.helpers import StubDrafter
 
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]
 
@@ -48,10 +49,8 @@ def test_an_oracle_tree_accepts_the_deepest_path(tiny):
     ids = torch.tensor(prompt_ids(tok, "hello"))
     truth = plain_decode(model, ids, 40, None).tokens
 
-    class Oracle:
-        name, target_layer_ids = "test", ()
+    class Oracle(StubDrafter):
         gamma, calls = 4, 0
-        start = staticmethod(lambda: None)
 
         def draft_logits(self, hidden_state, last_token, features):
             start = 1 + 5 * self.calls

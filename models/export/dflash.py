@@ -21,7 +21,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
