@@ -241,19 +241,28 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
 
 @torch.inference_mode()
 def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int,
-                         eos_id: int | None, num_tokens: int = 10) -> DecodeResult:
-    """Greedy prompt-lookup decoding (Saxena 2023) exactly as users run it: transformers' ``generate`` with
+                         eos_id: int | None, num_tokens: int = 10, sampling: Sampling = Sampling(),
+                         generator: torch.Generator | None = None) -> DecodeResult:
+    """Prompt-lookup decoding (Saxena 2023) exactly as users run it: transformers' ``generate`` with
     ``prompt_lookup_num_tokens``. A model-free peer: drafts are n-gram continuations copied from the context.
 
+    With sampling, generate verifies by drawing each position from the processed target distribution and
+    keeping drafts while they equal the draws (q one-hot), which is lossless. generate draws from torch's
+    global RNG, so it is seeded from ``generator`` for reproducible runs.
     Target forwards are counted with a forward hook (generate does not expose per-step acceptance).
     """
     forwards = []
+    knobs = {"do_sample": False}
+    if not sampling.greedy:
+        knobs = {"do_sample": True, "temperature": sampling.temperature, "top_k": sampling.top_k or None,
+                 "top_p": sampling.top_p}
+        torch.manual_seed(int(torch.randint(2 ** 31, (1,), generator=generator)))
     hook = target.register_forward_hook(lambda *_: forwards.append(1))
     start = time.perf_counter()
     try:
         out = target.generate(prompt_ids[None], attention_mask=torch.ones_like(prompt_ids[None]),
-                              max_new_tokens=max_new_tokens, do_sample=False, prompt_lookup_num_tokens=num_tokens,
-                              eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0)
+                              max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=num_tokens,
+                              eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0, **knobs)
     finally:
         hook.remove()
     tokens, _ = _cut(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos_id)

@@ -126,14 +126,14 @@ def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
 
 
 def test_evaluate_a_saved_dflash_run_with_sampling(dflash_run):
-    """train/evaluate.py on the DFlash run at T 0 and 0.7: denoising and prompt lookup are greedy-only."""
+    """train/evaluate.py on the DFlash run at T 0 and 0.7: denoising is greedy-only."""
     from train.evaluate import main as evaluate_main
     out, _ = dflash_run
     report = evaluate_main([str(out), "eval.temperatures=[0,0.7]", "eval.max_new_tokens=10"])
     assert set(report["eval"]) == {"chitchat", "humaneval", "chitchat@T0.7", "humaneval@T0.7"}
     hot = report["eval"]["chitchat@T0.7"]
     assert hot["method"] == "dflash" and hot["greedy_match"] is None
-    assert set(hot["peers"]) == {"medusa_chain", "medusa_tree_typical"}
+    assert set(hot["peers"]) == {"medusa_chain", "medusa_tree_typical", "prompt_lookup"}
     assert report["eval"]["chitchat"]["greedy_match"] == 1.0
 
 

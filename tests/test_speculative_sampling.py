@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models.speculative import Sampling, accept_chain, plain_decode, speculative_decode
+from models.speculative import Sampling, accept_chain, plain_decode, prompt_lookup_decode, speculative_decode
 from tests.helpers import StubDrafter
 
 Z_999 = 3.0902  # standard normal quantile for 1 - 1e-3
@@ -123,30 +123,54 @@ class _FixedDrafter(StubDrafter):
         return self.logits
 
 
-def test_speculative_sampling_end_to_end_matches_the_target_joint_distribution():
-    """First two generated tokens of a small-vocabulary random Llama: speculative vs the exact joint."""
+@pytest.fixture(scope="module")
+def small_vocab_model():
+    """A random 1-layer Llama with 5 tokens, sharp enough that sampling differs visibly from uniform."""
     torch.manual_seed(0)
-    vocab = 5
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.5)
-    prompt = torch.tensor([1, 2, 3])
-    sampling = Sampling(temperature=0.8)
+    return model
+
+
+def _exact_joint(model, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``[V * V]``: the target's probability of each (first, second) generated token pair."""
+    vocab = model.config.vocab_size
     with torch.no_grad():
         first = sampling.probs(model(prompt[None]).logits[0, -1])
         seconds = torch.stack([sampling.probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1])
                                for a in range(vocab)])
-    joint = (first[:, None] * seconds).flatten()
-    gen = torch.Generator().manual_seed(3)
-    drafter = _FixedDrafter(vocab)
+    return (first[:, None] * seconds).flatten()
+
+
+def _pair_counts(decode, n: int, vocab: int) -> torch.Tensor:
     counts = torch.zeros(vocab * vocab, dtype=torch.long)
-    for _ in range(2500):
-        a, b = speculative_decode(model, drafter, prompt, 2, None, sampling, gen).tokens
+    for _ in range(n):
+        a, b = decode().tokens
         counts[a * vocab + b] += 1
-    assert not chi2_rejects(counts, joint)
-    plain = torch.zeros_like(counts)
-    for _ in range(500):  # the baseline samples the same distribution (sanity of the helper itself)
-        a, b = plain_decode(model, prompt, 2, None, sampling, gen).tokens
-        plain[a * vocab + b] += 1
-    assert not chi2_rejects(plain, joint)
+    return counts
+
+
+def test_speculative_sampling_end_to_end_matches_the_target_joint_distribution(small_vocab_model):
+    """First two generated tokens of a small-vocabulary random Llama: speculative vs the exact joint."""
+    model, prompt, sampling = small_vocab_model, torch.tensor([1, 2, 3]), Sampling(temperature=0.8)
+    joint = _exact_joint(model, prompt, sampling)
+    gen = torch.Generator().manual_seed(3)
+    drafter = _FixedDrafter(5)
+    assert not chi2_rejects(_pair_counts(lambda: speculative_decode(model, drafter, prompt, 2, None, sampling, gen),
+                                         2500, 5), joint)
+    # the baseline samples the same distribution (sanity of the helper itself)
+    assert not chi2_rejects(_pair_counts(lambda: plain_decode(model, prompt, 2, None, sampling, gen), 500, 5), joint)
+
+
+def test_prompt_lookup_sampling_matches_the_target_joint_distribution(small_vocab_model):
+    """The prompt-lookup peer at T > 0 (transformers' generate, drafts copied from a repetitive prompt) is
+    lossless too, and a seeded generator reproduces it."""
+    model, prompt, sampling = small_vocab_model, torch.tensor([1, 2, 3, 1, 2, 3, 1, 2]), Sampling(0.8, top_k=4)
+    gen = torch.Generator().manual_seed(4)
+    counts = _pair_counts(lambda: prompt_lookup_decode(model, prompt, 2, None, 3, sampling, gen), 1500, 5)
+    assert not chi2_rejects(counts, _exact_joint(model, prompt, sampling))
+    runs = [prompt_lookup_decode(model, prompt, 12, None, 3, sampling, torch.Generator().manual_seed(9)).tokens
+            for _ in range(2)]
+    assert runs[0] == runs[1]

@@ -71,7 +71,7 @@ class EvalConfig:
     typical_delta: float = 0.3
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
-    greedy only; 0 skips it."""
+    at every temperature; 0 skips it."""
 
 
 @dataclass

@@ -46,7 +46,7 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
 def evaluate_heads(eval_cfg, eval_sets: dict[str, list], target, tokenizer, heads,
                    rank_accuracy: list[list[float]] | None) -> dict:
     """Medusa heads evaluated as a chain (``medusa_chain``), beside the heads as a tree (``medusa_tree``; with
-    t > 0 or ``eval.typical``, ``medusa_tree_typical``) and transformers' prompt lookup (greedy only).
+    t > 0 or ``eval.typical``, ``medusa_tree_typical``) and transformers' prompt lookup.
     ``rank_accuracy`` ([K][r]) grows the default tree.
     Raises ``ValueError`` for a tree deeper than the heads, or no tree and no accuracies to grow one.
     """
@@ -86,11 +86,12 @@ def medusa_peers(eval_cfg, target, tokenizer, heads, tree: Tree | None, sampling
 
 
 def prompt_lookup_peer(eval_cfg, target, tokenizer, sampling: Sampling) -> dict:
-    """transformers' prompt-lookup decoding, the model-free peer (greedy only; none at t > 0)."""
-    if eval_cfg.prompt_lookup_tokens <= 0 or not sampling.greedy:
+    """transformers' prompt-lookup decoding, the model-free peer, at this temperature (lossless)."""
+    if eval_cfg.prompt_lookup_tokens <= 0:
         return {}
     eos, n = tokenizer.eos_token_id, eval_cfg.max_new_tokens
-    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens)}
+    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens,
+                                                                   sampling, gen)}
 
 
 def export_all(output_dir: Path, target, heads, base_model: str) -> dict[str, str]:
