@@ -22,10 +22,10 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
         raise ValueError("data.num_val_prompts must be >= 1: held-out rows measure head accuracy and target drift")
     n_train, n_val = data_cfg.num_train_prompts, data_cfg.num_val_prompts
     if data_cfg.source == "chitchat":  # held out by conversation
-        train_prompts = load_prompts("chitchat", "train", n_train)
-        val_prompts = load_prompts("chitchat", "val", n_val)
+        train_prompts = load_prompts(data_cfg, "train", n_train)
+        val_prompts = load_prompts(data_cfg, "val", n_val)
     else:  # one list: the validation prompts come off its end
-        prompts = load_prompts(data_cfg.source, "train", n_train + n_val, data_cfg.path)
+        prompts = load_prompts(data_cfg, "train", n_train + n_val)
         train_prompts, val_prompts = prompts[:-n_val], prompts[-n_val:]
     settings = data_cfg.generation
     prompts = train_prompts + val_prompts

@@ -1,4 +1,5 @@
-"""Prompt sources: the offline chitchat and HumanEval sets, and any local JSONL file.
+"""Prompt sources: the offline chitchat and HumanEval sets, any local JSONL file, and any dataset that
+``datasets.load_dataset`` reads (hub datasets such as MT-Bench or GSM8K, local folders, parquet/CSV files).
 
 Every prompt keeps its provenance (source name, row) so later errors can name it.
 """
@@ -94,9 +95,9 @@ def humaneval_prompts(split: str, limit: int) -> list[Prompt]:
     return [Prompt("humaneval", i, HUMANEVAL_INSTRUCTION + r["prompt"]) for i, r in rows[:limit]]
 
 
-def jsonl_prompts(path: str | Path, limit: int) -> list[Prompt]:
-    """Prompts from a JSONL file: each line has ``prompt`` (str), ``turns`` (list, first used: MT-Bench) or
-    ``messages`` (OpenAI role/content; the first user message is used).
+def jsonl_prompts(path: str | Path, limit: int, field: str | None = None) -> list[Prompt]:
+    """Prompts from a JSONL file: each line's ``field``, by default the first of :data:`PROMPT_FIELDS` present
+    (``prompt`` str, MT-Bench ``turns``, OpenAI ``messages``: the first user message is used...).
 
     Raises ``ValueError`` naming the file, the 1-based line and the field for a malformed line.
     """
@@ -112,40 +113,103 @@ def jsonl_prompts(path: str | Path, limit: int) -> list[Prompt]:
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
             if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: field 'prompt|turns|messages': expected a JSON object, "
+                raise ValueError(f"{path}:{line_no}: expected a JSON object with a prompt field, "
                                  f"got {type(row).__name__}")
-            text, field = _prompt_field(row)
+            text, name = _prompt_field(row, field)
             if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{line_no}: field {field!r} must be a non-empty string, got {text!r:.80}")
+                raise ValueError(f"{path}:{line_no}: field {name!r} must be a non-empty string, got {text!r:.80}")
             prompts.append(Prompt(str(path), line_no - 1, text))
             if len(prompts) == limit:
                 break
     return prompts
 
 
-def _prompt_field(row: dict) -> tuple[object, str]:
-    if "prompt" in row:
-        return row["prompt"], "prompt"
-    if isinstance(row.get("turns"), list) and row["turns"]:
-        return row["turns"][0], "turns[0]"
-    if isinstance(row.get("messages"), list):
-        users = [m.get("content") for m in row["messages"] if isinstance(m, dict) and m.get("role") == "user"]
-        return (users[0] if users else None), "messages[role=user].content"
-    return None, "prompt|turns|messages"
+PROMPT_FIELDS = ("prompt", "turns", "question", "instruction", "messages", "conversations")
+"""Fields a prompt is read from, in this order, when a source names none: a string, or a list whose first user
+turn is used (MT-Bench ``turns``/``prompt``, OpenAI ``messages`` role/content, ShareGPT ``conversations``
+from/value)."""
 
 
-def load_prompts(source: str, split: str, limit: int, path: str | None = None) -> list[Prompt]:
-    """Prompts from a named source: ``chitchat`` and ``humaneval`` (by split), or ``jsonl`` (``path``; the file
-    is the split).
+def _prompt_field(row: dict, field: str | None = None) -> tuple[object, str]:
+    """``(value, field name)`` of a row's prompt: ``field`` when given, else the first of PROMPT_FIELDS present."""
+    names = [field] if field else [f for f in PROMPT_FIELDS if f in row] or ["|".join(PROMPT_FIELDS)]
+    name = names[0]
+    value = row.get(name)
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, dict):  # a chat: the first user turn
+            users = [m.get("content", m.get("value")) for m in value if isinstance(m, dict)
+                     and m.get("role", m.get("from")) in ("user", "human")]
+            return (users[0] if users else None), f"{name}[user].content"
+        return first, f"{name}[0]"
+    return value, name
 
-    Raises ``ValueError`` for an unknown source, listing the valid ones.
+
+def hub_prompts(path: str, limit: int, subset: str | None = None, split: str = "train",
+                field: str | None = None) -> list[Prompt]:
+    """Prompts from ``datasets.load_dataset``: a hub id (``HuggingFaceH4/mt_bench_prompts``, ``openai/gsm8k``
+    with ``subset`` main), a local dataset folder, or a local ``.json/.jsonl/.parquet/.csv`` file.
+
+    ``field`` names the prompt column; by default the first of :data:`PROMPT_FIELDS` present is used.
+    Raises ``ValueError`` naming the dataset, split, row and field for a row without a usable prompt.
     """
-    if source == "chitchat":
-        return chitchat_prompts(split, limit)
-    if source == "humaneval":
-        return humaneval_prompts(split, limit)
-    if source == "jsonl":
-        if not path:
-            raise ValueError("source 'jsonl' needs a path")
-        return jsonl_prompts(path, limit)
-    raise ValueError(f"unknown prompt source {source!r}; valid: chitchat, humaneval, jsonl")
+    import datasets
+
+    if limit < 1:
+        return []
+    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(Path(path).suffix)
+    if builder and Path(path).is_file():
+        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
+        where = str(path)
+    else:
+        ds = datasets.load_dataset(path, subset, split=split)
+        where = f"{path}{'/' + subset if subset else ''}[{split}]"
+    prompts = []
+    for i, row in enumerate(ds):
+        text, name = _prompt_field(row, field)
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{where}: row {i}: field {name!r} must be a non-empty string, got {text!r:.80} "
+                             f"(columns: {sorted(row)}; set the source's field)")
+        prompts.append(Prompt(where, i, text))
+        if len(prompts) == limit:
+            break
+    return prompts
+
+
+SOURCES = ("chitchat", "humaneval", "jsonl", "hub")
+
+
+@dataclass
+class PromptSource:
+    """Where prompts come from (the ``data`` config and each eval set extend it)."""
+    source: str = "chitchat"
+    """chitchat (offline, split by conversation), humaneval (offline), jsonl (``path``), or hub: anything
+    ``datasets.load_dataset`` reads (a hub id, a local dataset folder, a .json/.jsonl/.parquet/.csv file)."""
+    path: str | None = None
+    """The file (jsonl) or dataset (hub)."""
+    subset: str | None = None
+    """hub: the dataset's configuration name (``main`` for openai/gsm8k)."""
+    split: str = "train"
+    """hub: the dataset split read."""
+    field: str | None = None
+    """jsonl/hub: the prompt column; default: the first of prompt, turns, question, instruction, messages,
+    conversations present."""
+
+
+def load_prompts(src: PromptSource, part: str, limit: int) -> list[Prompt]:
+    """Up to ``limit`` prompts of ``src``. ``part`` (train, val or eval) picks chitchat's and HumanEval's
+    disjoint splits; a jsonl file or hub split is one list, and callers hold out its end.
+
+    Raises ``ValueError`` for an unknown source, listing the valid ones, or a jsonl/hub source without a path.
+    """
+    if src.source == "chitchat":
+        return chitchat_prompts(part, limit)
+    if src.source == "humaneval":
+        return humaneval_prompts(part, limit)
+    if src.source in ("jsonl", "hub") and not src.path:
+        raise ValueError(f"source {src.source!r} needs a path")
+    if src.source == "jsonl":
+        return jsonl_prompts(src.path, limit, src.field)
+    if src.source == "hub":
+        return hub_prompts(src.path, limit, src.subset, src.split, src.field)
+    raise ValueError(f"unknown prompt source {src.source!r}; valid: {', '.join(SOURCES)}")

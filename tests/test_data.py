@@ -18,7 +18,8 @@ from data.batching import collate, epoch_batches, rank_shard, rows_from_response
 from data.hidden_states import attach_hidden_states
 from data.regenerate import GenerationSettings, Response, prompt_ids, regenerate
 from data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
-                          chitchat_prompts, humaneval_prompts, jsonl_prompts, load_prompts)
+                          chitchat_prompts, hub_prompts, humaneval_prompts, jsonl_prompts, load_prompts,
+                          PromptSource)
 from models.target import TINY, TargetSpec, load_target
 
 ALL = 10**9  # a limit no source reaches
@@ -131,14 +132,15 @@ def test_humaneval_prompts_come_from_the_package_with_a_held_out_eval_split():
         assert p.text.startswith(HUMANEVAL_INSTRUCTION)
         assert "def " in p.text
     assert humaneval_prompts("eval", 3) == evaluation[:3]
-    assert load_prompts("humaneval", "train", 2) == training[:2]
+    assert load_prompts(PromptSource("humaneval"), "train", 2) == training[:2]
 
 
 def test_load_prompts_rejects_unknown_source_and_jsonl_without_path():
-    with pytest.raises(ValueError, match="chitchat, humaneval, jsonl"):
-        load_prompts("alpaca", "train", 5)
-    with pytest.raises(ValueError, match="path"):
-        load_prompts("jsonl", "train", 5)
+    with pytest.raises(ValueError, match="chitchat, humaneval, jsonl, hub"):
+        load_prompts(PromptSource("alpaca"), "train", 5)
+    for source in ("jsonl", "hub"):
+        with pytest.raises(ValueError, match=f"source '{source}' needs a path"):
+            load_prompts(PromptSource(source), "train", 5)
 
 
 def test_jsonl_prompts_accepts_prompt_turns_and_messages(tmp_path):
@@ -153,7 +155,41 @@ def test_jsonl_prompts_accepts_prompt_turns_and_messages(tmp_path):
     assert got == [Prompt(str(path), 0, "Plain prompt"), Prompt(str(path), 1, "First MT-Bench turn"),
                    Prompt(str(path), 3, "User message")]
     assert jsonl_prompts(path, 2) == got[:2]
-    assert load_prompts("jsonl", "train", ALL, str(path)) == got
+    assert load_prompts(PromptSource("jsonl", str(path)), "train", ALL) == got
+
+
+def _local_dataset(folder, rows):
+    """A dataset folder as a hub repository would hold it (one parquet file), written with datasets."""
+    import datasets
+    folder.mkdir()
+    datasets.Dataset.from_list(rows).to_parquet(str(folder / "train-00000-of-00001.parquet"))
+    return folder
+
+
+def test_hub_prompts_read_datasets_folders_and_files_with_any_common_prompt_field(tmp_path):
+    """The path real users take (datasets.load_dataset on a hub id) run on a local folder: MT-Bench's list of
+    turns, GSM8K's question, ShareGPT conversations; and local parquet/jsonl files."""
+    mt_bench = _local_dataset(tmp_path / "mt_bench", [{"prompt": ["Write a haiku.", "Now a limerick."],
+                                                       "category": "writing"}] * 3)
+    assert [p.text for p in hub_prompts(str(mt_bench), 2)] == ["Write a haiku."] * 2
+    gsm8k = _local_dataset(tmp_path / "gsm8k", [{"question": f"What is {i} + 1?", "answer": str(i + 1)}
+                                                for i in range(4)])
+    got = load_prompts(PromptSource("hub", str(gsm8k)), "eval", ALL)
+    assert [(p.row, p.text) for p in got] == [(i, f"What is {i} + 1?") for i in range(4)]
+    assert got[0].source == f"{gsm8k}[train]"
+    share = tmp_path / "sharegpt.jsonl"
+    share.write_text(json.dumps({"conversations": [{"from": "human", "value": "Hi there"},
+                                                   {"from": "gpt", "value": "Hello"}]}) + "\n")
+    assert [p.text for p in hub_prompts(str(share), ALL)] == ["Hi there"]
+    assert [p.text for p in hub_prompts(str(gsm8k), ALL, field="answer")] == ["1", "2", "3", "4"]
+
+
+def test_hub_prompts_name_dataset_row_and_field_of_a_bad_row(tmp_path):
+    folder = _local_dataset(tmp_path / "ds", [{"question": "fine"}, {"question": ""}])
+    with pytest.raises(ValueError, match=r"ds\[train\]: row 1: field 'question' must be a non-empty string"):
+        hub_prompts(str(folder), ALL)
+    with pytest.raises(ValueError, match=r"row 0: field 'prompt' .*columns: \['question'\]"):
+        hub_prompts(str(folder), ALL, field="prompt")
 
 
 @pytest.mark.parametrize("bad_line, expected", [
@@ -161,9 +197,9 @@ def test_jsonl_prompts_accepts_prompt_turns_and_messages(tmp_path):
     ('{"prompt": ""}', "'prompt'"),
     ('{"prompt": 42}', "'prompt'"),
     ('{"turns": ["   "]}', "'turns[0]'"),
-    ('{"messages": [{"role": "system", "content": "only a system message"}]}', "'messages[role=user].content'"),
-    ('{"question": "wrong key"}', "'prompt|turns|messages'"),
-    ('["not", "an", "object"]', "'prompt|turns|messages'"),
+    ('{"messages": [{"role": "system", "content": "only a system message"}]}', "'messages[user].content'"),
+    ('{"text": "unknown key"}', "'prompt|turns|question|instruction|messages|conversations'"),
+    ('["not", "an", "object"]', "expected a JSON object"),
 ])
 def test_jsonl_prompts_malformed_line_names_file_line_and_field(tmp_path, bad_line, expected):
     path = tmp_path / "bad.jsonl"

@@ -157,3 +157,23 @@ def test_evaluate_a_saved_run_with_sampling(smoke_run):
         else:
             assert m["greedy_match"] == 1.0 and set(m["peers"]) == {"medusa_tree", "prompt_lookup"}
     assert json.loads((out / "report.json").read_text())["eval"] == json.loads(json.dumps(report["eval"]))
+
+
+def test_evaluate_an_export_reloaded_from_disk(smoke_run):
+    """What vLLM would load, measured: the export's heads decode exactly like the run's own heads, and
+    eval.peers keeps only the methods asked for."""
+    from train.evaluate import main as evaluate_main
+    out, _ = smoke_run
+    args = [f"run_dir={out}", "eval.max_new_tokens=12", "eval.peers=[medusa_tree]",
+            "eval.sets=[{name: served, source: chitchat, num_prompts: 3}]"]
+    own = evaluate_main(args)["eval"]["served"]
+    served = evaluate_main(args + ["drafter=export/vllm"])
+    assert served["evaluated_drafter"] == str(out / "export/vllm")
+    m = served["eval"]["served"]
+    assert set(m["peers"]) == {"medusa_tree"} and m["greedy_match"] == 1.0
+    for key in ("acceptance_length", "acceptance_rate_per_position", "accepted_histogram"):
+        assert m[key] == own[key]
+    with pytest.raises(ValueError, match=r"eval.peers: \['dflash'\] not measured.*'medusa_tree', 'prompt_lookup'"):
+        evaluate_main(args[:-1] + ["eval.peers=[dflash]"])
+    with pytest.raises(FileNotFoundError, match="holds no Medusa heads"):
+        evaluate_main(args + ["drafter=checkpoints"])

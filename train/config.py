@@ -13,16 +13,14 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from data.regenerate import GenerationSettings
+from data.sources import PromptSource
 from models.target import TargetSpec
 
 
 @dataclass
-class DataConfig:
-    """Training prompts, answered by the target itself (self-distillation)."""
-    source: str = "chitchat"
-    """Prompt source: chitchat (offline), humaneval (offline) or jsonl (``path``)."""
-    path: str | None = None
-    """File for source=jsonl."""
+class DataConfig(PromptSource):
+    """Training prompts (from any :class:`PromptSource`), answered by the target itself (self-distillation).
+    Validation prompts are chitchat's val split, or else the end of the source's list."""
     num_train_prompts: int = 320
     num_val_prompts: int = 32
     """Held-out prompts (never trained on) for validation loss, head accuracy and stage-2 drift."""
@@ -32,12 +30,12 @@ class DataConfig:
 
 
 @dataclass
-class EvalSetConfig:
-    """One held-out evaluation set for the speculative evaluator."""
+class EvalSetConfig(PromptSource):
+    """One held-out evaluation set for the speculative evaluator: chitchat's eval split (disjoint from
+    training), HumanEval rows 0..39 (disjoint from data=humaneval), a jsonl file, or a hub dataset, e.g.
+    ``{name: gsm8k, source: hub, path: openai/gsm8k, subset: main, split: test}``."""
     name: str = MISSING
     source: str = MISSING
-    """chitchat (its eval split, disjoint from training), humaneval, or jsonl."""
-    path: str | None = None
     num_prompts: int = 12
 
 
@@ -69,6 +67,9 @@ class EvalConfig:
     """Typical acceptance for the tree (Medusa paper eq. 3): faster, not lossless; reported as such."""
     typical_epsilon: float = 0.09
     typical_delta: float = 0.3
+    peers: list[str] | None = None
+    """Methods measured beside the drafter under test, by report name: medusa_chain, medusa_tree,
+    medusa_tree_typical, dflash_denoise<N>, prompt_lookup. null: all the run offers; []: none."""
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
     at every temperature; 0 skips it."""

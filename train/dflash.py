@@ -96,9 +96,10 @@ def evaluate_dflash(conf: DFlashRunConfig, eval_sets: dict, target, tokenizer, d
     return evaluate_methods(conf.eval, eval_sets, target, tokenizer, DFlashDrafter(drafter), peers_at)
 
 
-def load_saved_run(output_dir: str | Path, overrides: list[str] = ()):
-    """A finished DFlash run's config (with ``key=value`` overrides), target, tokenizer and drafter (from its
-    export). Raises ``FileNotFoundError`` when ``output_dir`` holds no finished DFlash run, ``ValueError``
+def load_saved_run(output_dir: str | Path, overrides: list[str] = (), drafter: str | Path | None = None):
+    """A finished DFlash run's config (with ``key=value`` overrides), target, tokenizer and drafter, read by
+    the strict loader from its export (or from ``drafter``, a DFlash export folder relative to ``output_dir``
+    or absolute). Raises ``FileNotFoundError`` when ``output_dir`` holds no finished DFlash run, ``ValueError``
     when the export does not fit the target."""
     from models.export.dflash import load_dflash
     out = Path(output_dir)
@@ -108,7 +109,7 @@ def load_saved_run(output_dir: str | Path, overrides: list[str] = ()):
                           OmegaConf.from_dotlist(list(overrides)))
     conf: DFlashRunConfig = OmegaConf.to_object(cfg)
     target, tokenizer, _ = load_target(conf.model, conf.cache_dir)
-    return conf, target, tokenizer, load_dflash(out / "export" / "dflash", target)
+    return conf, target, tokenizer, load_dflash(out / (drafter or "export/dflash"), target)
 
 
 def run(cfg: DictConfig) -> dict:

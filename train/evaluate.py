@@ -1,10 +1,15 @@
 """Speculative evaluation of a finished run's drafter (the same evaluator the training run ends with).
 
     python train/evaluate.py runs/medusa
-    python train/evaluate.py runs/dflash eval.temperatures=[0,0.7] dflash.denoise_steps=8
-    python train/evaluate.py runs/medusa eval.max_new_tokens=128 'eval.sets=[{name: mt, source: jsonl, path: question.jsonl, num_prompts: 80}]'
+    python train/evaluate.py run_dir=runs/medusa drafter=export/vllm eval.temperatures=[0,0.7]
+    python train/evaluate.py run_dir=runs/medusa 'eval.peers=[medusa_tree]' eval.medusa_choices='[[0],[0,0],[1]]'
+    python train/evaluate.py runs/dflash eval.temperatures=[0.7] dflash.denoise_steps=8
+    python train/evaluate.py runs/medusa 'eval.sets=[{name: gsm8k, source: hub, path: openai/gsm8k, subset: main, split: test, num_prompts: 50}]'
 
-Overrides are ``key=value`` pairs on the run's saved config. Updates ``report.json`` and the plot.
+``run_dir`` (or the first argument) is the run; ``drafter`` an export folder to measure instead of the run's
+own (``export/vllm``, ``export/tgi``: read back by their strict loaders; a DFlash run is measured from
+``export/dflash`` by default). Other ``key=value`` pairs override the run's saved config. Updates ``report.json``
+and the plot; sets measured before and not re-run are kept.
 """
 
 from __future__ import annotations
@@ -18,24 +23,35 @@ from train.evaluation import format_table, hardware, write_report
 from train.finish import evaluate_heads, load_eval_sets, load_saved_run
 
 
+def parse_args(argv: list[str]) -> tuple[Path, str | None, list[str]]:
+    """``(run_dir, drafter, config overrides)`` from ``argv``. Raises ``SystemExit`` with usage when no run is
+    given."""
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith(("run_dir=", "drafter="))}
+    rest = [a for a in argv if not a.startswith(("run_dir=", "drafter="))]
+    if "run_dir" not in args:
+        if not rest or "=" in rest[0]:
+            raise SystemExit(__doc__)
+        args["run_dir"], rest = rest[0], rest[1:]
+    return Path(args["run_dir"]), args.get("drafter"), rest
+
+
 def main(argv: list[str]) -> dict:
-    if not argv:
-        raise SystemExit(__doc__)
-    out = Path(argv[0])
+    out, drafter, overrides = parse_args(argv)
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     if (out / "export" / "dflash").exists():
         from models.target import model_identity
         from train.dflash import evaluate_dflash, load_medusa_peer, load_saved_run as load_dflash_run
-        conf, target, tokenizer, drafter = load_dflash_run(out, argv[1:])
+        conf, target, tokenizer, model = load_dflash_run(out, overrides, drafter)
         medusa = load_medusa_peer(conf.dflash.medusa_run, model_identity(target, conf.model))
-        sets = evaluate_dflash(conf, load_eval_sets(conf.eval), target, tokenizer, drafter, medusa)
+        sets = evaluate_dflash(conf, load_eval_sets(conf.eval), target, tokenizer, model, medusa)
     else:
-        conf, target, tokenizer, heads, _ = load_saved_run(out, argv[1:])
+        conf, target, tokenizer, heads, _ = load_saved_run(out, overrides, drafter)
         sets = evaluate_heads(conf.eval, load_eval_sets(conf.eval), target, tokenizer, heads,
                               report.get("head_rank_accuracy"))
-    report["eval"] = {**report.get("eval", {}), **sets}  # sets measured before and not re-run are kept
+    report["eval"] = {**report.get("eval", {}), **sets}
     report.setdefault("config", {})["eval"] = json.loads(json.dumps(asdict(conf.eval)))
+    report["evaluated_drafter"] = str(out / drafter) if drafter else None
     report["hardware"] = hardware()
     print(format_table(sets))
     print(f"report: {write_report(report, out)}")

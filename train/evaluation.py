@@ -25,7 +25,7 @@ from models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decod
 
 def eval_prompts(set_cfg) -> list:
     """Held-out prompts of one eval set (chitchat's eval split never overlaps training)."""
-    return load_prompts(set_cfg.source, "eval", set_cfg.num_prompts, set_cfg.path)
+    return load_prompts(set_cfg, "eval", set_cfg.num_prompts)
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,

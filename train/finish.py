@@ -31,13 +31,20 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
                      peers_at: Callable[[Sampling], dict]) -> dict:
     """Speculative evaluation of ``drafter`` on every eval set at every temperature in ``eval.temperatures``:
     ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
-    measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``)."""
+    measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``), kept to ``eval.peers``
+    when that is set. Raises ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
+    samplings = [Sampling(t, eval_cfg.top_k, eval_cfg.top_p) for t in eval_cfg.temperatures]
+    offered = [peers_at(sampling) for sampling in samplings]
+    if eval_cfg.peers is not None:
+        unknown = set(eval_cfg.peers) - set().union(*offered)
+        if unknown:
+            raise ValueError(f"eval.peers: {sorted(unknown)} not measured by this run; available: "
+                             f"{sorted(set().union(*offered))}")
+        offered = [{k: v for k, v in peers.items() if k in eval_cfg.peers} for peers in offered]
     results = {}
-    for temperature in eval_cfg.temperatures:
-        sampling = Sampling(temperature, eval_cfg.top_k, eval_cfg.top_p)
-        peers = peers_at(sampling)
+    for sampling, peers in zip(samplings, offered):
         for name, prompts in eval_sets.items():
-            key = name if sampling.greedy else f"{name}@T{temperature:g}"
+            key = name if sampling.greedy else f"{name}@T{sampling.temperature:g}"
             results[key] = evaluate_set(target, tokenizer, drafter, prompts, eval_cfg.max_new_tokens,
                                         eval_cfg.tie_tolerance, sampling, eval_cfg.seed, peers, desc=f"eval {key}")
     return results
@@ -134,16 +141,18 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
     return report
 
 
-def load_saved_run(output_dir: str | Path, overrides: list[str] = ()):
+def load_saved_run(output_dir: str | Path, overrides: list[str] = (), drafter: str | Path | None = None):
     """A finished run's config (with ``key=value`` overrides), target and trained heads.
 
-    The target is the stage-2 export when the run had one, else the run's original target.
+    The target is the stage-2 export when the run had one, else the run's original target. The heads are the
+    run's ``medusa_heads``, or those of ``drafter``: an export folder (``export/vllm``, ``export/tgi``),
+    relative to ``output_dir`` or absolute, read back by its strict loader, so what will be served is measured.
     Raises ``FileNotFoundError`` when ``output_dir`` holds no finished run, ``ValueError`` when the heads
     do not fit the target.
     """
     from omegaconf import OmegaConf
 
-    from models.export.medusa import load_heads
+    from models.export.medusa import load_any_heads, load_heads
     from models.target import TargetSpec, load_target
     from train.config import MedusaRunConfig
 
@@ -154,6 +163,8 @@ def load_saved_run(output_dir: str | Path, overrides: list[str] = ()):
                           OmegaConf.from_dotlist(list(overrides)))
     conf: MedusaRunConfig = OmegaConf.to_object(cfg)
     heads, extra = load_heads(out / "medusa_heads")
+    if drafter is not None:
+        heads = load_any_heads(out / drafter)
     spec = conf.model
     if Path(extra["base_model"]).is_dir() and (Path(extra["base_model"]) / "config.json").exists():
         spec = TargetSpec(name_or_path=extra["base_model"], dtype=conf.model.dtype)

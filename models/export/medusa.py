@@ -263,3 +263,18 @@ def load_heads(folder) -> tuple[MedusaHeads, dict]:
     K, L, D, V = (config[k] for k in ("num_heads", "num_layers", "hidden_size", "vocab_size"))
     heads = _load_heads(_read_tensors(weights), weights, K, L, D, V, _heads_layout(config["per_head_lm_head"]))
     return heads, {k: v for k, v in config.items() if k not in _HEADS_FIELDS}
+
+
+def load_any_heads(folder) -> MedusaHeads:
+    """Heads from a folder in any format written here, told apart by its files: draftheads' own
+    (``medusa_heads.json``), TGI's (``medusa_lm_head.safetensors``) or vLLM's (``model.safetensors``), each
+    read by its strict loader. Raises ``FileNotFoundError`` for a folder in none of them."""
+    folder = Path(folder)
+    if (folder / HEADS_CONFIG).exists():
+        return load_heads(folder)[0]
+    if (folder / TGI_WEIGHTS).exists():
+        return load_tgi_medusa(folder)
+    if (folder / VLLM_WEIGHTS).exists():
+        return load_vllm_medusa(folder)
+    raise FileNotFoundError(f"{folder} holds no Medusa heads ({HEADS_CONFIG}, {TGI_WEIGHTS} or {VLLM_WEIGHTS} "
+                            f"expected)")
