@@ -12,52 +12,121 @@ Contracts:
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from data.regenerate import Response
+from data.templates import TemplateRejected, chat_tokens
 
 
 @dataclass
 class DataReport:
-    """Counts of what happened to the rows (printed and logged)."""
+    """What happened to the rows, printed and logged: every input row is either out (trained on or held out)
+    or counted under one reason."""
     rows_in: int = 0
     rows_out: int = 0
-    dropped_too_long: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Bad input by reason (invalid_json, unknown_role, template_rejected, too_long...)."""
+    failed: int = 0
+    """Conversations the regeneration backend failed on (retried by the next run)."""
     truncated: int = 0
-    unfinished_responses: int = 0
+    unfinished_answers: int = 0
     tokens: int = 0
     trainable_tokens: int = 0
+    length_percentiles: dict[str, int] = field(default_factory=dict)
+    """Row lengths in tokens after truncation: p50, p90, p99, max."""
+    padding_fraction: float | None = None
+    """Share of pad tokens in the length-grouped training batches (set by the job, which knows the batch)."""
+    examples: dict[str, str] = field(default_factory=dict)
+    """The first error message of each skip reason."""
+
+    @property
+    def trainable_fraction(self) -> float:
+        return self.trainable_tokens / max(self.tokens, 1)
+
+    def as_dict(self) -> dict:
+        """The report for ``report.json``."""
+        return {**asdict(self), "trainable_fraction": self.trainable_fraction}
+
+    def skip(self, reason: str, message: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        self.examples.setdefault(reason, message)
+
+    def describe(self) -> str:
+        """One line for the terminal."""
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())) or "none"
+        pad = "" if self.padding_fraction is None else f", padding {self.padding_fraction:.1%}"
+        return (f"{self.rows_in} rows in -> {self.rows_out} out, skipped: {skipped}; failed {self.failed}, "
+                f"truncated {self.truncated}, unfinished answers {self.unfinished_answers}; {self.tokens} tokens, "
+                f"{self.trainable_fraction:.1%} trainable; lengths {self.length_percentiles}{pad}")
 
 
-def rows_from_responses(responses: list[Response], max_length: int) -> tuple[list[dict], DataReport]:
-    """Rows of prompt + response tokens with the loss on response tokens only.
+def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport, train_on: str = "all",
+                    overlong: str = "truncate") -> list[dict]:
+    """Rows of token ids and the loss mask over assistant tokens (:func:`data.templates.chat_tokens`), or the
+    given ids and mask of pre-tokenised chats.
 
-    A row longer than ``max_length`` tokens is truncated when its prompt fits with room for >= 2 response
-    tokens (the loss then covers the kept part), dropped otherwise; both are counted.
-    Raises ``ValueError`` when no trainable token is left (a silent zero loss otherwise).
+    ``chats`` are :class:`~data.regenerate.Regenerated` (``unfinished`` answers train without an end-of-turn
+    token) or :class:`~data.conversations.Chat`. A row longer than ``max_length`` is truncated (``overlong``
+    = truncate; kept when >= 2 trainable tokens remain) or dropped, and counted; a conversation the template
+    rejects is skipped and counted. Raises ``ValueError`` when no trainable token is left (a silent zero loss
+    otherwise) or ``overlong`` is not truncate/drop.
     """
-    report = DataReport(rows_in=len(responses))
-    rows = []
-    for r in responses:
-        report.unfinished_responses += not r.finished
-        ids = r.prompt_ids + r.response_ids
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"data.overlong={overlong!r} must be truncate or drop")
+    rows, lengths = [], []
+    for c in chats:
+        where = f"{c.source} row {c.row}"
+        if getattr(c, "tokens", None) is not None:
+            ids, mask = list(c.tokens[0]), list(c.tokens[1])
+        else:
+            try:
+                ids, mask = chat_tokens(tokenizer, c.messages, train_on, frozenset(getattr(c, "unfinished", ())))
+            except TemplateRejected as e:
+                report.skip("template_rejected", f"{where}: {e}")
+                continue
+            report.unfinished_answers += len(getattr(c, "unfinished", ()))
+        if not any(mask):
+            report.skip("no_trainable_token", f"{where}: no assistant token to train on")
+            continue
         if len(ids) > max_length:
-            if len(r.prompt_ids) + 2 > max_length:
-                report.dropped_too_long += 1
+            if overlong == "drop" or sum(mask[:max_length]) < 2:
+                report.skip("too_long", f"{where}: {len(ids)} tokens > data.max_length={max_length}")
                 continue
             report.truncated += 1
-        mask = [False] * len(r.prompt_ids) + [True] * len(r.response_ids)
-        ids, mask = ids[:max_length], mask[:max_length]
-        rows.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask), "source": r.source,
-                     "row": r.row})
+            ids, mask = ids[:max_length], mask[:max_length]
+        rows.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask), "source": c.source,
+                     "row": c.row})
+        lengths.append(len(ids))
         report.tokens += len(ids)
         report.trainable_tokens += sum(mask)
-    report.rows_out = len(rows)
-    if report.trainable_tokens == 0:
-        raise ValueError(f"no trainable (assistant) token in {report.rows_in} rows: {report}")
-    return rows, report
+    report.rows_out += len(rows)
+    if lengths:
+        q = torch.tensor(lengths, dtype=torch.float).quantile(torch.tensor([0.5, 0.9, 0.99])).round().int().tolist()
+        report.length_percentiles = {"p50": q[0], "p90": q[1], "p99": q[2], "max": max(lengths)}
+    if not rows or report.trainable_tokens == 0:
+        raise ValueError(f"no trainable (assistant) token left in {len(chats)} conversations: "
+                         f"{report.describe()}; first errors: {report.examples}")
+    return rows
+
+
+def data_scalars(report: DataReport) -> dict[str, float]:
+    """The data report as tracker scalars: counts, skips by reason, length percentiles, fractions."""
+    out = {k: getattr(report, k) for k in ("rows_in", "rows_out", "failed", "truncated", "unfinished_answers",
+                                            "tokens", "trainable_tokens", "trainable_fraction")}
+    out |= {f"skipped_{k}": v for k, v in report.skipped.items()}
+    out |= {f"length_{k}": v for k, v in report.length_percentiles.items()}
+    if report.padding_fraction is not None:
+        out["padding_fraction"] = report.padding_fraction
+    return out
+
+
+def padding_fraction(rows: list[dict], batch_size: int, seed: int) -> float:
+    """Share of pad tokens in the first epoch's length-grouped batches of ``rows``."""
+    batches = epoch_batches(rows, batch_size, seed, 0)
+    real = sum(len(r["input_ids"]) for b in batches for r in b)
+    padded = sum(len(b) * max(len(r["input_ids"]) for r in b) for b in batches)
+    return 1 - real / max(padded, 1)
 
 
 PER_TOKEN_STATES = ("hidden_states", "target_features")

@@ -1,6 +1,11 @@
-"""Self-distillation data: the target answers the prompts itself, so the draft model learns the target's
-own distribution (Medusa paper, section 2.3.2). Results are cached on disk, keyed by everything that
-changes them, and a killed run resumes where it stopped.
+"""Self-distillation data: the target answers every user turn itself, turn by turn, so later turns condition
+on its own earlier answers and the draft model learns the target's own distribution (Medusa paper, section
+2.3.2; EAGLE and DFlash regenerate the same way). Results are cached as JSONL, keyed by everything that changes
+them, and a killed run resumes where it stopped.
+
+Backends: :class:`TransformersBackend` (batched ``generate``, offline, the default) and
+:class:`OpenAIBackend` (any OpenAI-compatible server such as ``vllm serve`` or SGLang, concurrent, with
+retries) for real scale.
 """
 
 from __future__ import annotations
@@ -8,64 +13,86 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.sources import Prompt
+from data.conversations import Chat
+from data.templates import check_template
 
 
 @dataclass
 class GenerationSettings:
     """How the target answers (the ``data.generation`` config)."""
     max_new_tokens: int = 128
-    """Response budget in tokens; a response cut there is kept and marked unfinished."""
+    """Budget per answer in tokens; an answer cut there is kept and marked unfinished."""
     temperature: float = 0.0
     """0 = greedy, the distribution the greedy evaluator measures; > 0 samples."""
     top_p: float = 1.0
     batch_size: int = 32
-    """Prompts per generate() call; prompts are sorted by length so padding stays small."""
+    """Conversations answered together (one generate() call per turn, or concurrent requests per chunk); a
+    chunk is also the unit a killed run resumes from."""
     seed: int = 0
 
 
 @dataclass
-class Response:
-    """A prompt and the target's answer: ``prompt_ids`` (chat template with generation prompt) and
-    ``response_ids`` (generated tokens, end-of-turn included when ``finished``)."""
+class Regenerated:
+    """A conversation with every assistant turn answered by the target: ``messages`` (roles system?, user,
+    assistant...), ``unfinished`` (indices of answers cut by the token budget), or ``error`` when the backend
+    failed on it (then ``messages`` holds the input)."""
     source: str
     row: int
-    prompt: str
-    prompt_ids: list[int]
-    response_ids: list[int]
-    finished: bool
+    messages: list[dict]
+    unfinished: list[int] = field(default_factory=list)
+    error: str | None = None
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of a single-turn chat ending with the assistant generation prompt.
+class Backend(Protocol):
+    """Answers a batch of histories (each ends with a user turn): ``(text, finished)`` or the exception."""
+    name: str
+
+    def answer(self, histories: list[list[dict]]) -> list[tuple[str, bool] | Exception]: ...
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text_or_messages) -> list[int]:
+    """Token ids of a chat (or a single user prompt) ending with the assistant generation prompt.
 
     Raises ``ValueError`` when the tokenizer has no chat template (suggesting the fix).
     """
-    if not tokenizer.chat_template:
-        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: use an instruct/chat model, "
-                         "or set tokenizer.chat_template before building data")
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                        tokenize=True)
+    check_template(tokenizer)
+    messages = ([{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str)
+                else list(text_or_messages))
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def cache_key(model_id: dict, prompts: list[Prompt], settings: GenerationSettings) -> str:
-    """Hash of the target's identity, the prompts and the generation settings."""
-    h = hashlib.sha256(json.dumps([model_id, asdict(settings)], sort_keys=True).encode())
-    for p in prompts:
-        h.update(f"{p.source}\0{p.row}\0{p.text}\0".encode())
-    return h.hexdigest()[:20]
+class TransformersBackend:
+    """The target itself through ``generate``: left-padded batches sorted by length. The answer text is the
+    decoded tokens before the end-of-turn token (``finished``) or all of them (cut by the budget)."""
+    name = "transformers"
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings):
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+
+    @torch.inference_mode()
+    def answer(self, histories: list[list[dict]]) -> list[tuple[str, bool]]:
+        encoded = [prompt_ids(self.tokenizer, h) for h in histories]
+        order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+        out: list[tuple[str, bool]] = [("", False)] * len(encoded)
+        for i, (ids, finished) in zip(order, generate_ids(self.model, self.tokenizer, [encoded[i] for i in order],
+                                                          self.settings)):
+            out[i] = (self.tokenizer.decode(ids[:-1] if finished else ids), finished)
+        return out
 
 
 @torch.inference_mode()
-def _generate(model, tokenizer, batch: list[list[int]], settings: GenerationSettings) -> list[tuple[list[int], bool]]:
+def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationSettings) -> list[tuple[list[int], bool]]:
+    """Generated ids per prompt (end-of-turn token included when ``finished``), one left-padded ``generate``."""
     width = max(map(len, batch))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch], device=model.device)
@@ -82,55 +109,117 @@ def _generate(model, tokenizer, batch: list[list[int]], settings: GenerationSett
     return results
 
 
-def regenerate(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompts: list[Prompt],
-               settings: GenerationSettings, cache_file: str | Path, show_progress: bool = True) -> list[Response]:
-    """Answer every prompt with the target, batched, reusing and extending ``cache_file`` (JSONL).
+class OpenAIBackend:
+    """Any OpenAI-compatible chat-completions server (``vllm serve``, SGLang, TGI's Messages API) through the
+    ``openai`` client: ``concurrency`` requests in flight, each retried ``max_retries`` times with backoff by the
+    client. ``finished`` is the server's ``finish_reason == "stop"``."""
+    name = "openai"
 
-    Lines are appended per batch to ``<cache_file>.partial``, so a killed run resumes from its last batch;
-    the file is renamed to ``cache_file`` when complete. Returns responses in the order of ``prompts``.
+    def __init__(self, base_url: str, model: str, settings: GenerationSettings, api_key: str = "EMPTY",
+                 concurrency: int = 16, max_retries: int = 3, timeout_s: float = 600.0):
+        from openai import OpenAI
+        self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=max_retries, timeout=timeout_s)
+        self.model, self.settings, self.concurrency = model, settings, concurrency
+
+    def _one(self, history: list[dict]) -> tuple[str, bool] | Exception:
+        try:
+            reply = self.client.chat.completions.create(
+                model=self.model, messages=history, max_tokens=self.settings.max_new_tokens,
+                temperature=self.settings.temperature, top_p=self.settings.top_p, seed=self.settings.seed)
+            choice = reply.choices[0]
+            return choice.message.content or "", choice.finish_reason == "stop"
+        except Exception as e:  # counted as a failed row; the run goes on
+            return e
+
+    def answer(self, histories: list[list[dict]]) -> list[tuple[str, bool] | Exception]:
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            return list(pool.map(self._one, histories))
+
+
+def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
+    """Regenerate every assistant turn of ``chats`` turn by turn: round k answers each conversation's k-th user
+    turn given the system prompt, earlier user turns and the target's own earlier answers. The dataset's own
+    assistant turns are replaced; a conversation where the backend fails is returned with ``error``."""
+    histories: list[list[dict]] = [[m for m in c.messages[:1] if m["role"] == "system"] for c in chats]
+    users = [[m for m in c.messages if m["role"] == "user"] for c in chats]
+    unfinished: list[list[int]] = [[] for _ in chats]
+    errors: list[str | None] = [None] * len(chats)
+    for k in range(max(map(len, users), default=0)):
+        live = [i for i in range(len(chats)) if k < len(users[i]) and errors[i] is None]
+        for i in live:
+            histories[i].append(users[i][k])
+        for i, result in zip(live, backend.answer([histories[i] for i in live])):
+            if isinstance(result, Exception):
+                errors[i] = f"turn {k}: {type(result).__name__}: {result}"
+                continue
+            text, finished = result
+            if not finished:
+                unfinished[i].append(len(histories[i]))
+            histories[i].append({"role": "assistant", "content": text})
+    return [Regenerated(c.source, c.row, list(c.messages), error=e) if e else
+            Regenerated(c.source, c.row, h, u) for c, h, u, e in zip(chats, histories, unfinished, errors)]
+
+
+def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, backend: str,
+              chat_template: str | None) -> str:
+    """Hash of the target's identity and chat template, the conversations, the generation settings and the
+    backend."""
+    h = hashlib.sha256(json.dumps([model_id, asdict(settings), backend, chat_template], sort_keys=True).encode())
+    for c in chats:
+        h.update(json.dumps([c.source, c.row, c.messages]).encode())
+    return h.hexdigest()[:20]
+
+
+def regenerate(backend: Backend, chats: list[Chat], batch_size: int, cache_file: str | Path,
+               show_progress: bool = True) -> list[Regenerated]:
+    """Answer every conversation with the backend in chunks of ``batch_size``, reusing and extending
+    ``cache_file`` (JSONL, one :class:`Regenerated` per line).
+
+    Lines are appended per chunk to ``<cache_file>.partial``, so a killed run resumes from its last chunk; the
+    file is renamed to ``cache_file`` when every conversation succeeded. Returns results in the order of
+    ``chats``, failed ones (``error`` set) included; those are retried by the next run.
     """
     cache_file = Path(cache_file)
     if cache_file.exists():
         return _read(cache_file)
     partial = cache_file.with_name(cache_file.name + ".partial")
-    done = {(r.source, r.row): r for r in _read(partial)} if partial.exists() else {}
+    done = {(r.source, r.row): r for r in _read(partial) if r.error is None} if partial.exists() else {}
     if partial.exists():  # drop a line cut by a kill, else the next line appended to it is unreadable too
         _write(partial, list(done.values()))
-    todo = [p for p in prompts if (p.source, p.row) not in done]
-    encoded = sorted(((p, prompt_ids(tokenizer, p.text)) for p in todo), key=lambda x: len(x[1]))
-    torch.manual_seed(settings.seed)
+    todo = sorted((c for c in chats if (c.source, c.row) not in done),
+                  key=lambda c: sum(len(m["content"]) for m in c.messages))
+    torch.manual_seed(getattr(getattr(backend, "settings", None), "seed", 0))
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="regenerating responses (target)",
-               unit="prompt", disable=not show_progress)
+    bar = tqdm(total=len(chats), initial=len(chats) - len(todo), desc=f"regenerating answers ({backend.name})",
+               unit="conversation", disable=not show_progress)
     with open(partial, "a") as f:
-        for i in range(0, len(encoded), settings.batch_size):
-            chunk = encoded[i:i + settings.batch_size]
-            for (p, ids), (resp, finished) in zip(chunk, _generate(model, tokenizer, [c[1] for c in chunk], settings)):
-                r = Response(p.source, p.row, p.text, ids, resp, finished)
-                done[(p.source, p.row)] = r
+        for i in range(0, len(todo), batch_size):
+            for r in answer_turns(backend, todo[i:i + batch_size]):
+                done[(r.source, r.row)] = r
                 f.write(json.dumps(asdict(r)) + "\n")
             f.flush()
-            bar.update(len(chunk))
+            bar.update(len(todo[i:i + batch_size]))
     bar.close()
-    ordered = [done[(p.source, p.row)] for p in prompts]
-    _write(cache_file, ordered)
-    partial.unlink(missing_ok=True)
+    ordered = [done[(c.source, c.row)] for c in chats]
+    if not any(r.error for r in ordered):
+        _write(cache_file, ordered)
+        partial.unlink(missing_ok=True)
     return ordered
 
 
-def _write(path: Path, responses: list[Response]) -> None:
-    """Replace ``path`` atomically with one JSON line per response."""
+def _write(path: Path, results: list[Regenerated]) -> None:
+    """Replace ``path`` atomically with one JSON line per result."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text("".join(json.dumps(asdict(r)) + "\n" for r in responses))
+    tmp.write_text("".join(json.dumps(asdict(r)) + "\n" for r in results))
     tmp.replace(path)
 
 
-def _read(path: Path) -> list[Response]:
+def _read(path: Path) -> list[Regenerated]:
     out = []
     with open(path) as f:
         for line in f:
             try:
-                out.append(Response(**json.loads(line)))
+                out.append(Regenerated(**json.loads(line)))
             except (json.JSONDecodeError, TypeError):
                 break  # a line cut by a kill: regenerate from here
     return out

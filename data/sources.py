@@ -145,25 +145,29 @@ def _prompt_field(row: dict, field: str | None = None) -> tuple[object, str]:
     return value, name
 
 
+def hub_rows(path: str, subset: str | None = None, split: str = "train", data_files: str | None = None):
+    """``(name for errors, dataset)`` from ``datasets.load_dataset``: a hub id, a local dataset folder, or a
+    local ``.json/.jsonl/.parquet/.csv`` file (its builder chosen by extension)."""
+    import datasets
+
+    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(Path(path).suffix)
+    if builder and Path(path).is_file():
+        return str(path), datasets.load_dataset(builder, data_files=str(path), split="train")
+    return (f"{path}{'/' + subset if subset else ''}[{split}]",
+            datasets.load_dataset(path, subset, split=split, data_files=data_files))
+
+
 def hub_prompts(path: str, limit: int, subset: str | None = None, split: str = "train",
-                field: str | None = None) -> list[Prompt]:
+                field: str | None = None, data_files: str | None = None) -> list[Prompt]:
     """Prompts from ``datasets.load_dataset``: a hub id (``HuggingFaceH4/mt_bench_prompts``, ``openai/gsm8k``
     with ``subset`` main), a local dataset folder, or a local ``.json/.jsonl/.parquet/.csv`` file.
 
     ``field`` names the prompt column; by default the first of :data:`PROMPT_FIELDS` present is used.
     Raises ``ValueError`` naming the dataset, split, row and field for a row without a usable prompt.
     """
-    import datasets
-
     if limit < 1:
         return []
-    builder = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}.get(Path(path).suffix)
-    if builder and Path(path).is_file():
-        ds = datasets.load_dataset(builder, data_files=str(path), split="train")
-        where = str(path)
-    else:
-        ds = datasets.load_dataset(path, subset, split=split)
-        where = f"{path}{'/' + subset if subset else ''}[{split}]"
+    where, ds = hub_rows(path, subset, split, data_files)
     prompts = []
     for i, row in enumerate(ds):
         text, name = _prompt_field(row, field)
@@ -191,6 +195,8 @@ class PromptSource:
     """hub: the dataset's configuration name (``main`` for openai/gsm8k)."""
     split: str = "train"
     """hub: the dataset split read."""
+    data_files: str | None = None
+    """hub: the file inside the dataset repository, when it has several (ShareGPT's json files)."""
     field: str | None = None
     """jsonl/hub: the prompt column; default: the first of prompt, turns, question, instruction, messages,
     conversations present."""
@@ -211,5 +217,5 @@ def load_prompts(src: PromptSource, part: str, limit: int) -> list[Prompt]:
     if src.source == "jsonl":
         return jsonl_prompts(src.path, limit, src.field)
     if src.source == "hub":
-        return hub_prompts(src.path, limit, src.subset, src.split, src.field)
+        return hub_prompts(src.path, limit, src.subset, src.split, src.field, src.data_files)
     raise ValueError(f"unknown prompt source {src.source!r}; valid: {', '.join(SOURCES)}")

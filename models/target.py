@@ -55,6 +55,9 @@ class TargetSpec:
     """Hub revision (branch, tag or commit) for hub ids."""
     dtype: str = "float32"
     """Weights dtype: float32, bfloat16 or float16."""
+    chat_template: str | None = None
+    """A Jinja chat template (the string, or a path to a ``.jinja`` file) replacing the tokenizer's own, for a
+    base model without one or a template that mishandles the data."""
     tiny: TinySpec = field(default_factory=TinySpec)
     """Sizes of the tiny random Llama built when ``name_or_path`` is ``tiny://llama`` (ignored otherwise)."""
 
@@ -180,20 +183,30 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
     return spec.name_or_path
 
 
+def load_tokenizer(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedTokenizerBase, str]:
+    """The target's tokenizer (pad token defaulting to eos; ``spec.chat_template`` applied) and the folder or
+    hub id it came from. Raises ``FileNotFoundError`` when a GGUF file or package is missing."""
+    path = resolve_target_path(spec, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if spec.chat_template:
+        template = Path(spec.chat_template).expanduser()
+        tokenizer.chat_template = template.read_text() if template.suffix == ".jinja" else spec.chat_template
+    return tokenizer, path
+
+
 def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    """Load the target causal LM (eval mode, every parameter frozen) and its tokenizer.
+    """Load the target causal LM (eval mode, every parameter frozen) and its tokenizer (:func:`load_tokenizer`).
 
     Returns:
         ``(model, tokenizer, path)``; ``path`` is the folder or hub id loaded (recorded in reports/exports).
     Raises:
         FileNotFoundError: GGUF file or package missing; ``ValueError`` for a bad dtype.
     """
-    path = resolve_target_path(spec, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=spec.revision)
+    tokenizer, path = load_tokenizer(spec, cache_dir)
     model = AutoModelForCausalLM.from_pretrained(path, revision=spec.revision, dtype=torch_dtype(spec.dtype))
     model.eval().requires_grad_(False)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer, path
 
 

@@ -14,16 +14,17 @@ import torch
 from transformers import AutoTokenizer
 
 import data.regenerate as regen_mod
-from data.batching import collate, epoch_batches, rank_shard, rows_from_responses
+from data.batching import DataReport, collate, epoch_batches, rank_shard, rows_from_chats
+from data.conversations import Chat, load_chats
 from data.hidden_states import attach_hidden_states
-from data.regenerate import GenerationSettings, Response, prompt_ids, regenerate
+from data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
 from data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
                           chitchat_prompts, hub_prompts, humaneval_prompts, jsonl_prompts, load_prompts,
                           PromptSource)
 from models.target import TINY, TargetSpec, load_target
 
 ALL = 10**9  # a limit no source reaches
-REAL_GENERATE = regen_mod._generate  # before any test monkeypatches it
+REAL_GENERATE = regen_mod.generate_ids  # before any test monkeypatches it
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
@@ -46,15 +47,19 @@ def target(tmp_path_factory):
 
 
 SETTINGS = GenerationSettings(max_new_tokens=8, batch_size=2)
+MULTI_TURN = Chat("multi", 0, ({"role": "user", "content": "Hi there, how are you?"},
+                               {"role": "assistant", "content": "The dataset's own answer, replaced."},
+                               {"role": "user", "content": "What did you do today?"}))
 
 
 @pytest.fixture(scope="module")
 def regenerated(target, tmp_path_factory):
-    """One complete regenerate() run on 5 chitchat prompts: ``(prompts, cache_file, responses)``."""
+    """One complete regenerate() run on 5 chitchat prompts and a 2-turn chat: ``(chats, cache_file, results)``."""
     model, tokenizer, _ = target
-    prompts = chitchat_prompts("train", 5)
-    cache_file = tmp_path_factory.mktemp("regen") / "responses.jsonl"
-    return prompts, cache_file, regenerate(model, tokenizer, prompts, SETTINGS, cache_file, show_progress=False)
+    chats = load_chats(PromptSource("chitchat"), "train", 5) + [MULTI_TURN]
+    cache_file = tmp_path_factory.mktemp("regen") / "answers.jsonl"
+    backend = TransformersBackend(model, tokenizer, SETTINGS)
+    return chats, cache_file, regenerate(backend, chats, SETTINGS.batch_size, cache_file, show_progress=False)
 
 
 def greedy(model, tokenizer, ids: list[int], max_new_tokens: int) -> list[int]:
@@ -71,7 +76,7 @@ class Killed(Exception):
 
 
 def recording_generate(calls: list, fail_after: int | None = None):
-    """A ``_generate`` that records the prompt ids it is asked for (and raises after ``fail_after`` calls)."""
+    """A ``generate_ids`` that records the prompt ids it is asked for (and raises after ``fail_after`` calls)."""
     def fake(model, tokenizer, batch, settings):
         if fail_after is not None and len(calls) >= fail_after:
             raise Killed
@@ -231,55 +236,59 @@ def test_prompt_ids_is_chatml_with_generation_prompt(target):
 
 # ----------------------------------------------------------------------------------------------- rows
 
-def response(n_prompt: int, n_response: int, finished: bool = True, row: int = 0) -> Response:
-    """A synthetic response: prompt ids 1000.., response ids 2000.. (so a mix-up shows)."""
-    return Response("test", row, "p", list(range(1000, 1000 + n_prompt)), list(range(2000, 2000 + n_response)),
-                    finished)
-
-
-def test_rows_mask_exactly_the_response_tokens(target):
+def test_rows_mask_exactly_the_assistant_tokens(target):
     _, tokenizer, _ = target
-    p_ids = prompt_ids(tokenizer, "Say something nice.")
-    answer = "You are doing great."
-    r_ids = tokenizer.encode(answer, add_special_tokens=False) + [tokenizer.eos_token_id]
-    rows, report = rows_from_responses([Response("chitchat", 7, "Say something nice.", p_ids, r_ids, True)], 512)
-    (row,) = rows
-    assert row["input_ids"].tolist() == p_ids + r_ids
+    chat = Chat("chitchat", 7, ({"role": "user", "content": "Say something nice."},
+                                {"role": "assistant", "content": "You are doing great."}))
+    report = DataReport()
+    (row,) = rows_from_chats(tokenizer, [chat], 512, report)
     assert row["input_ids"].dtype == torch.int64 and row["loss_mask"].dtype == torch.bool
-    assert row["loss_mask"].tolist() == [False] * len(p_ids) + [True] * len(r_ids)
-    assert tokenizer.decode(row["input_ids"][row["loss_mask"]].tolist()) == answer + "<|im_end|>"
-    assert tokenizer.decode(row["input_ids"][~row["loss_mask"]].tolist()) == tokenizer.decode(p_ids)
+    assert tokenizer.decode(row["input_ids"][row["loss_mask"]].tolist()) == "You are doing great.<|im_end|>"
+    assert tokenizer.decode(row["input_ids"][~row["loss_mask"]].tolist()) == (
+        "<|im_start|>user\nSay something nice.<|im_end|>\n<|im_start|>assistant\n\n")
     assert (row["source"], row["row"]) == ("chitchat", 7)
-    assert (report.rows_in, report.rows_out, report.tokens, report.trainable_tokens) == (
-        1, 1, len(p_ids) + len(r_ids), len(r_ids))
+    n = len(row["input_ids"])
+    assert (report.rows_out, report.tokens, report.trainable_tokens) == (1, n, int(row["loss_mask"].sum()))
+    assert report.length_percentiles == {"p50": n, "p90": n, "p99": n, "max": n}
 
 
-def test_rows_over_long_are_truncated_or_dropped_and_counted():
-    responses = [response(5, 10, row=0),              # 15 > 8, prompt leaves room: truncated to 5 + 3
-                 response(6, 5, row=1),               # 11 > 8, exactly 2 response tokens fit: truncated
-                 response(7, 5, row=2),               # 12 > 8, only 1 response token would fit: dropped
-                 response(12, 1, row=3),              # prompt alone too long: dropped
-                 response(3, 5, finished=False, row=4),  # fits exactly: kept whole
-                 response(7, 1, row=5)]               # fits (8 tokens) with a 1-token response: kept whole
-    rows, report = rows_from_responses(responses, max_length=8)
-    assert [r["row"] for r in rows] == [0, 1, 4, 5]
-    assert [r["loss_mask"].tolist() for r in rows] == [[False] * 5 + [True] * 3, [False] * 6 + [True] * 2,
-                                                       [False] * 3 + [True] * 5, [False] * 7 + [True]]
-    assert rows[0]["input_ids"].tolist() == list(range(1000, 1005)) + [2000, 2001, 2002]
-    assert all(len(r["input_ids"]) <= 8 for r in rows)
-    assert report.rows_in == 6 and report.rows_out == 4
-    assert report.dropped_too_long == 2
-    assert report.truncated == 2
-    assert report.unfinished_responses == 1
-    assert report.tokens == 8 + 8 + 8 + 8
-    assert report.trainable_tokens == 3 + 2 + 5 + 1
+def tokenized(n: int, trainable_from: int, row: int) -> Chat:
+    """A pre-tokenised chat: ids 1000.., trainable from ``trainable_from`` on."""
+    return Chat("tok", row, tokens=(tuple(range(1000, 1000 + n)), tuple(i >= trainable_from for i in range(n))))
 
 
-@pytest.mark.parametrize("responses", [[], [response(20, 5)], [response(4, 0), response(3, 0, row=1)]],
-                         ids=["no rows", "all dropped", "empty responses"])
-def test_rows_without_trainable_token_raise(responses):
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_rows_over_long_are_truncated_or_dropped_and_counted(target, overlong):
+    _, tokenizer, _ = target
+    chats = [tokenized(15, 5, 0),    # 15 > 8: truncated to 3 trainable tokens
+             tokenized(11, 6, 1),    # 11 > 8: exactly 2 trainable tokens left: truncated
+             tokenized(12, 7, 2),    # 12 > 8: 1 trainable token would be left: dropped
+             tokenized(8, 3, 3)]     # fits exactly: kept whole
+    report = DataReport()
+    rows = rows_from_chats(tokenizer, chats, 8, report, overlong=overlong)
+    kept = [0, 1, 3] if overlong == "truncate" else [3]
+    assert [r["row"] for r in rows] == kept and all(len(r["input_ids"]) <= 8 for r in rows)
+    assert rows[0]["input_ids"].tolist() == list(range(1000, 1008)) or overlong == "drop"
+    assert report.truncated == (2 if overlong == "truncate" else 0)
+    assert report.skipped == {"too_long": 4 - len(kept)}
+    assert report.trainable_tokens == sum(int(r["loss_mask"].sum()) for r in rows)
+
+
+@pytest.mark.parametrize("chats", [[], [tokenized(20, 19, 0)], [tokenized(4, 9, 0), tokenized(3, 9, 1)]],
+                         ids=["no rows", "all dropped", "nothing trainable"])
+def test_rows_without_trainable_token_raise(target, chats):
     with pytest.raises(ValueError, match="no trainable"):
-        rows_from_responses(responses, max_length=16)
+        rows_from_chats(target[1], chats, 16, DataReport())
+
+
+def test_unfinished_answers_train_without_the_end_of_turn_token(target):
+    _, tokenizer, _ = target
+    chat = Regenerated("s", 0, [{"role": "user", "content": "Tell me a story."},
+                                {"role": "assistant", "content": "Once upon a"}], unfinished=[1])
+    report = DataReport()
+    (row,) = rows_from_chats(tokenizer, [chat], 512, report)
+    assert tokenizer.decode(row["input_ids"][row["loss_mask"]].tolist()) == "Once upon a"
+    assert report.unfinished_answers == 1
 
 
 # ----------------------------------------------------------------------------------------------- batches
@@ -340,66 +349,73 @@ def test_epoch_batches_deterministic_complete_and_length_grouped():
 
 # ----------------------------------------------------------------------------------------------- regenerate
 
-def test_regenerate_gives_the_targets_greedy_continuation(target, regenerated):
+def test_regenerate_answers_every_turn_with_the_targets_greedy_continuation(target, regenerated):
+    """Turn by turn: the second answer of the multi-turn chat is the target's continuation of the conversation
+    holding its own first answer, and the dataset's own answer is gone."""
     model, tokenizer, _ = target
-    prompts, cache_file, responses = regenerated
-    assert [(r.source, r.row, r.prompt) for r in responses] == [(p.source, p.row, p.text) for p in prompts]
+    chats, cache_file, results = regenerated
+    assert [(r.source, r.row) for r in results] == [(c.source, c.row) for c in chats]
     assert cache_file.exists() and not cache_file.with_name(cache_file.name + ".partial").exists()
-    for p, r in zip(prompts, responses):
-        assert r.prompt_ids == prompt_ids(tokenizer, p.text)
-        assert r.response_ids == greedy(model, tokenizer, r.prompt_ids, SETTINGS.max_new_tokens)
-        assert r.finished == (r.response_ids[-1] == tokenizer.eos_token_id)
-        assert len(r.response_ids) == SETTINGS.max_new_tokens or r.finished
-    # The cache file holds exactly the returned responses, in prompt order.
-    assert [json.loads(line) for line in cache_file.read_text().splitlines()] == [asdict(r) for r in responses]
+    for chat, r in zip(chats, results):
+        assert [m["role"] for m in r.messages] == ["user", "assistant"] * (len(r.messages) // 2)
+        assert [m for m in r.messages if m["role"] == "user"] == [m for m in chat.messages if m["role"] == "user"]
+        for i in range(1, len(r.messages), 2):
+            ids = greedy(model, tokenizer, prompt_ids(tokenizer, r.messages[:i]), SETTINGS.max_new_tokens)
+            finished = ids[-1] == tokenizer.eos_token_id
+            assert r.messages[i]["content"] == tokenizer.decode(ids[:-1] if finished else ids)
+            assert (i in r.unfinished) == (not finished)
+    assert len(results[-1].messages) == 4 and "replaced" not in results[-1].messages[1]["content"]
+    # The cache file holds exactly the returned results, in order.
+    assert [json.loads(line) for line in cache_file.read_text().splitlines()] == [asdict(r) for r in results]
 
 
 def test_regenerate_reads_the_cache_without_generating(target, regenerated, monkeypatch):
     model, tokenizer, _ = target
-    prompts, cache_file, responses = regenerated
+    chats, cache_file, results = regenerated
 
     def fail(*args, **kwargs):
         raise AssertionError("generate called despite a complete cache file")
-    monkeypatch.setattr(regen_mod, "_generate", fail)
-    assert regenerate(model, tokenizer, prompts, SETTINGS, cache_file, show_progress=False) == responses
+    monkeypatch.setattr(regen_mod, "generate_ids", fail)
+    backend = TransformersBackend(model, tokenizer, SETTINGS)
+    assert regenerate(backend, chats, SETTINGS.batch_size, cache_file, show_progress=False) == results
 
 
 def test_regenerate_resumes_a_killed_run(target, regenerated, tmp_path, monkeypatch):
     model, tokenizer, _ = target
-    prompts, _, reference = regenerated
-    cache_file = tmp_path / "responses.jsonl"
-    partial = tmp_path / "responses.jsonl.partial"
+    chats, _, reference = regenerated
+    cache_file = tmp_path / "answers.jsonl"
+    partial = tmp_path / "answers.jsonl.partial"
     # A killed run left two complete lines and a third one cut mid-write.
     cut = json.dumps(asdict(reference[3]))
     partial.write_text(json.dumps(asdict(reference[1])) + "\n" + json.dumps(asdict(reference[4])) + "\n"
                        + cut[:len(cut) // 2])
     calls = []
-    monkeypatch.setattr(regen_mod, "_generate", recording_generate(calls))
-    got = regenerate(model, tokenizer, prompts, SETTINGS, cache_file, show_progress=False)
-    assert got == reference
-    generated = sorted(ids for batch in calls for ids in batch)
-    assert generated == sorted(reference[i].prompt_ids for i in (0, 2, 3))  # the cut line is generated again
+    monkeypatch.setattr(regen_mod, "generate_ids", recording_generate(calls))
+    backend = TransformersBackend(model, tokenizer, SETTINGS)
+    assert regenerate(backend, chats, SETTINGS.batch_size, cache_file, show_progress=False) == reference
+    first_turns = sorted(ids for batch in calls for ids in batch if ids.count(tokenizer.eos_token_id) == 1)
+    assert first_turns == sorted(prompt_ids(tokenizer, chats[i].messages[:1]) for i in (0, 2, 3, 5))
     assert cache_file.exists() and not partial.exists()
 
 
 def test_regenerate_survives_a_second_kill_after_resuming(target, regenerated, tmp_path, monkeypatch):
-    """Lines appended after a cut line must stay readable: a run killed twice loses no finished batch."""
+    """Lines appended after a cut line must stay readable: a run killed twice loses no finished chunk."""
     model, tokenizer, _ = target
-    prompts, _, reference = regenerated
-    settings = GenerationSettings(max_new_tokens=SETTINGS.max_new_tokens, batch_size=1)
-    cache_file = tmp_path / "responses.jsonl"
-    partial = tmp_path / "responses.jsonl.partial"
+    chats, reference = regenerated[0][:5], regenerated[2][:5]  # single-turn chats: one generate call each
+    cache_file = tmp_path / "answers.jsonl"
+    partial = tmp_path / "answers.jsonl.partial"
     cut = json.dumps(asdict(reference[2]))
     partial.write_text(json.dumps(asdict(reference[0])) + "\n" + cut[:20])
+    backend = TransformersBackend(model, tokenizer, SETTINGS)
     first = []
-    monkeypatch.setattr(regen_mod, "_generate", recording_generate(first, fail_after=2))
-    with pytest.raises(Killed):  # killed again after two more prompts
-        regenerate(model, tokenizer, prompts, settings, cache_file, show_progress=False)
+    monkeypatch.setattr(regen_mod, "generate_ids", recording_generate(first, fail_after=2))
+    with pytest.raises(Killed):  # killed again after two more chats
+        regenerate(backend, chats, 1, cache_file, show_progress=False)
     assert len(first) == 2 and not cache_file.exists()
     second = []
-    monkeypatch.setattr(regen_mod, "_generate", recording_generate(second))
-    assert regenerate(model, tokenizer, prompts, settings, cache_file, show_progress=False) == reference
-    assert len(second) == len(prompts) - 3
+    monkeypatch.setattr(regen_mod, "generate_ids", recording_generate(second))
+    assert regenerate(backend, chats, 1, cache_file, show_progress=False) == reference
+    assert len(second) == len(chats) - 3
     assert not {tuple(b[0]) for b in first} & {tuple(b[0]) for b in second}
 
 

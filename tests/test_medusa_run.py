@@ -118,14 +118,18 @@ def test_two_process_ddp_run(tmp_path, cache_dir, smoke_run):
 def test_trackers_record_the_run(tmp_path, cache_dir, monkeypatch, tracker):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / tracker
-    run(smoke_cfg(out, cache_dir, f"tracker={tracker}", "stage2.enabled=false", "eval.enabled=false",
-                  "export=false"))
+    run(smoke_cfg(out, cache_dir, f"tracker={tracker}", "stage2.enabled=false", "export=false",
+                  "eval.max_new_tokens=4", "eval.tree=false", "eval.prompt_lookup_tokens=0",
+                  "eval.sets=[{name: c, source: chitchat, num_prompts: 1}]"))
     if tracker == "wandb":
         run_id = (out / "wandb_run_id").read_text().strip()
         logs = list((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-        assert logs and b"stage1/loss" in logs[0].read_bytes()
+        assert logs and b"stage1/loss" in logs[0].read_bytes() and b"eval/c/medusa_chain/speedup" in logs[0].read_bytes()
+        assert list(logs[0].parent.rglob("media/images/eval/acceptance_*.png"))  # the plot, as W&B stores images
     else:
-        assert list((out / "logs").rglob("events.out.tfevents.*"))
+        events = list((out / "logs").rglob("events.out.tfevents.*"))
+        assert events and all(tag in b"".join(e.read_bytes() for e in events)
+                              for tag in (b"stage1/loss", b"eval/c/medusa_chain/speedup", b"eval/acceptance"))
 
 
 def test_per_head_lm_heads_train_export_and_stay_lossless(tmp_path, cache_dir):

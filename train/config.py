@@ -18,15 +18,57 @@ from models.target import TargetSpec
 
 
 @dataclass
+class ServerConfig:
+    """An OpenAI-compatible server that answers instead of the in-process target (``vllm serve``, SGLang)."""
+    base_url: str | None = None
+    """e.g. ``http://localhost:8000/v1``; null: the target answers in-process through transformers."""
+    model: str = "default"
+    """The served model name."""
+    api_key: str = "EMPTY"
+    concurrency: int = 16
+    """Requests in flight."""
+    max_retries: int = 3
+    """Retries per request (with backoff) before the conversation is counted as failed."""
+    timeout_s: float = 600.0
+
+
+@dataclass
+class MixtureSource(PromptSource):
+    """One component of a data mixture."""
+    weight: float = 1.0
+    """Share of the rows (training and validation) drawn from this source, relative to the other components."""
+
+
+@dataclass
 class DataConfig(PromptSource):
-    """Training prompts (from any :class:`PromptSource`), answered by the target itself (self-distillation).
-    Validation prompts are chitchat's val split, or else the end of the source's list."""
+    """Training conversations (from any :class:`PromptSource`), answered by the target itself
+    (self-distillation). Validation rows are chitchat's val split, or else the end of the source's list."""
+    mixture: list[MixtureSource] = field(default_factory=list)
+    """Several sources with weights; when set, the source fields above are ignored."""
+    format: str = "auto"
+    """Row format: messages (OpenAI role/content), sharegpt (conversations from/value), prompt (prompt, question,
+    instruction(+input) or turns), tokenized (input_ids + loss_mask, used as given); auto tells them apart."""
     num_train_prompts: int = 320
+    """Rows read for training (bad rows count; they are skipped and reported)."""
     num_val_prompts: int = 32
-    """Held-out prompts (never trained on) for validation loss, head accuracy and stage-2 drift."""
+    """Held-out rows (never trained on) for validation loss, head accuracy and stage-2 drift."""
     max_length: int = 384
-    """Tokens per row (prompt + response); longer rows are truncated or dropped, and counted."""
+    """Tokens per row (conversation rendered by the chat template)."""
+    overlong: str = "truncate"
+    """A row over max_length: truncate (kept if >= 2 trainable tokens remain) or drop; counted either way."""
+    regenerate: bool = True
+    """Replace every assistant turn by the target's own answer, turn by turn (self-distillation); false trains
+    on the dataset's own assistant turns."""
+    train_on: str = "all"
+    """Assistant turns trained on: all, or the last one only."""
+    system: str = "auto"
+    """A leading system prompt: auto (kept when the template accepts system turns, else folded into the first
+    user turn), keep, fold, drop."""
+    strict: bool = False
+    """Fail on the first bad row (file, row, field) instead of skipping and counting it."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    """Regenerate through a served model instead of the in-process target (same answers, real scale)."""
 
 
 @dataclass
@@ -210,7 +252,20 @@ class DFlashRunConfig(RunConfig):
     output_dir: str = "runs/dflash"
 
 
-def to_schema(cfg: DictConfig) -> RunConfig:
+@dataclass
+class RegenerateConfig:
+    """``train/regenerate.py``: a dataset answered by the target, turn by turn, written as JSONL."""
+    model: TargetSpec = field(default_factory=TargetSpec)
+    data: DataConfig = field(default_factory=DataConfig)
+    output: str = "regenerated.jsonl"
+    """Output JSONL (``messages`` per conversation); resumable: a rerun continues it."""
+    limit: int | None = None
+    """Rows read from the source (null: all)."""
+    cache_dir: str = "${oc.env:DRAFTHEADS_CACHE,${oc.env:HOME}/.cache/draftheads}"
+    """Converted models (GGUF targets)."""
+
+
+def to_schema(cfg: DictConfig):
     """The composed config as typed objects. Raises ``ValueError`` naming any key the schema does not declare
     (Hydra lets ``+group.key=...`` add keys to a structured node; they would be silently ignored)."""
     _reject_undeclared(cfg, "")
@@ -238,3 +293,4 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="medusa_schema", node=MedusaRunConfig)
     cs.store(name="dflash_schema", node=DFlashRunConfig)
+    cs.store(name="regenerate_schema", node=RegenerateConfig)

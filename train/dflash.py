@@ -26,7 +26,7 @@ from models.export.dflash import export_dflash
 from models.speculative import Sampling, speculative_decode
 from models.target import load_target
 from train.config import DFlashRunConfig, register_configs
-from train.evaluation import flat_metrics, format_table, hardware, write_report
+from train.evaluation import format_table, hardware, log_eval, write_report
 from train.finish import evaluate_methods, medusa_peers, medusa_tree, prompt_lookup_peer
 from train.job import close_job, job_rows, open_job
 from train.runtime import print0
@@ -143,15 +143,16 @@ def run(cfg: DictConfig) -> dict:
                   "drafter": {"block_size": d.block_size, "num_layers": d.num_layers,
                               "target_layer_ids": list(drafter.target_layer_ids),
                               "mask_token_id": drafter.mask_token_id, "loss_decay": decay},
-                  "data": asdict(data_report), "train_curves": {"dflash": state.history},
+                  "data": data_report.as_dict(), "train_curves": {"dflash": state.history},
                   "exports": {"dflash": str(export)}, "medusa_peer": medusa[2],
                   "notes": "acceptance_length counts the bonus token; alpha is conditional on earlier positions; "
                            "tau_estimate (validation) is teacher-forced, the eval's acceptance_length is measured"}
         if conf.eval.enabled:
             report["eval"] = evaluate_dflash(conf, job.eval_sets, target, job.tokenizer, drafter, medusa)
-            accelerator.log(flat_metrics(report["eval"]), step=state.step)
             print(format_table(report["eval"]), flush=True)
         print(f"report: {write_report(report, job.out)}", flush=True)
+        if conf.eval.enabled:
+            log_eval(accelerator, report["eval"], job.out / "acceptance.png", state.step)
     return close_job(job, report)
 
 

@@ -223,6 +223,21 @@ def write_report(report: dict, output_dir: str | Path) -> Path:
     return path
 
 
+def log_eval(accelerator, sets: dict, plot: str | Path, step: int) -> None:
+    """Every method's scalars (:func:`flat_metrics`) and the acceptance plot, as an image, in the run's
+    trackers (W&B and TensorBoard take images)."""
+    accelerator.log(flat_metrics(sets), step=step)
+    if not Path(plot).exists():
+        return
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            tracker.log_images({"eval/acceptance": [str(plot)]}, step=step)
+        elif tracker.name == "tensorboard":
+            import matplotlib.image
+            image = matplotlib.image.imread(plot)[None, ..., :3]  # [1, H, W, RGB] floats in [0, 1]
+            tracker.log_images({"eval/acceptance": image}, step=step, dataformats="NHWC")
+
+
 def flat_metrics(sets: dict) -> dict[str, float]:
     """Tracker-friendly ``eval/<set>/<method>/<metric>`` scalars for every method measured."""
     out = {}

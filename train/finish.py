@@ -11,7 +11,7 @@ from typing import Callable
 from models.export.medusa import export_tgi_medusa, export_vllm_medusa, save_heads
 from models.speculative import MedusaDrafter, Sampling, prompt_lookup_decode, speculative_decode
 from models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
-from train.evaluation import eval_prompts, evaluate_set, flat_metrics, format_table, hardware, write_report
+from train.evaluation import eval_prompts, evaluate_set, format_table, hardware, log_eval, write_report
 from train.validation import validate
 
 
@@ -133,11 +133,12 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
               "notes": "acceptance_length counts the bonus token; alpha is conditional on earlier positions"}
     if conf.eval.enabled:
         report["eval"] = evaluate_heads(conf.eval, eval_sets, target, tokenizer, heads, rank_accuracy)
-        accelerator.log(flat_metrics(report["eval"]), step=step)
         print(format_table(report["eval"]), flush=True)
     if conf.export:
         report["exports"] = export_all(out, target, heads, base_model)
     print(f"report: {write_report(report, out)}", flush=True)
+    if conf.eval.enabled:
+        log_eval(accelerator, report["eval"], out / "acceptance.png", step)
     return report
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from accelerate import Accelerator
 from omegaconf import DictConfig, OmegaConf
 
-from data.batching import DataReport, rank_shard
+from data.batching import DataReport, data_scalars, padding_fraction, rank_shard
 from data.hidden_states import attach_hidden_states
-from data.pipeline import describe, self_distilled_rows
+from data.pipeline import self_distilled_rows
 from models.target import load_target, model_identity
 from train.checkpoint import latest_checkpoint
 from train.config import RunConfig, to_schema
@@ -68,7 +68,11 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
     with accelerator.main_process_first():  # rank 0 regenerates; the others read its cache
         train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
                                                            conf.cache_dir, accelerator.is_main_process)
-    print0(accelerator, f"data: {describe(report)}")
+    report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed)
+    print0(accelerator, f"data: {report.describe()}")
+    for reason, example in report.examples.items():
+        print0(accelerator, f"  first {reason}: {example}")
+    accelerator.log({f"data/{k}": v for k, v in data_scalars(report).items()}, step=0)
     if not attach:
         return train_rows, val_rows, report
     pad, bs = job.tokenizer.pad_token_id, conf.trainer.hidden_states_batch_size

@@ -13,7 +13,6 @@ validates, evaluates and exports.
 
 from __future__ import annotations
 
-from dataclasses import asdict
 
 import hydra
 from omegaconf import DictConfig
@@ -65,7 +64,7 @@ def run(cfg: DictConfig) -> dict:
     if accelerator.is_main_process:
         report = finish_run(conf, accelerator, target, job.tokenizer, heads, job.target_path, job.identity, val_rows,
                             job.eval_sets, meta["step_offset"],
-                            {"data": asdict(data_report), "train_curves": curves})
+                            {"data": data_report.as_dict(), "train_curves": curves})
     return close_job(job, report)
 
 

@@ -1,0 +1,226 @@
+"""Rows of any common chat format -> normalised conversations, with bad input counted or refused.
+
+Formats (``data.format``, ``auto`` tells them apart by their fields):
+- ``messages``: OpenAI ``[{"role": ..., "content": ...}]``;
+- ``sharegpt``: ``conversations: [{"from": "human"|"gpt"|"system", "value": ...}]``;
+- ``prompt``: a single prompt (``prompt``, ``question``, ``instruction`` (+ ``input``), or MT-Bench ``turns``);
+- ``tokenized``: ``input_ids`` + ``loss_mask`` lists, used as they are (no template, no regeneration).
+
+Normalisation: roles become system/user/assistant (human/gpt/model/bot... mapped), empty turns are dropped,
+consecutive turns of one role are merged (joined by a blank line), a system prompt may only come first.
+Every rejected row raises :class:`BadRow` naming where it is (file:line or dataset[split] row), the field and
+a short ``reason`` the data report counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from data.sources import PromptSource, hub_rows, load_prompts
+
+ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
+         "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "bard": "assistant",
+         "bing": "assistant", "tool": None}
+"""Role names of the common formats -> normalised role (None: a role draftheads cannot train on)."""
+
+FORMATS = ("auto", "messages", "sharegpt", "prompt", "tokenized")
+
+
+class BadRow(ValueError):
+    """A row that cannot become a training conversation. ``reason`` is the data report's key."""
+
+    def __init__(self, where: str, field_name: str, reason: str, detail: str):
+        super().__init__(f"{where}: field {field_name!r}: {detail}")
+        self.where, self.field, self.reason = where, field_name, reason
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One normalised conversation: ``messages`` as ``{"role", "content"}`` dicts (roles system?, then user
+    and assistant), or ``tokens`` ``(input_ids, loss_mask)`` for pre-tokenised rows; provenance ``source``
+    (file or dataset) and 0-based ``row``."""
+    source: str
+    row: int
+    messages: tuple[dict, ...] = ()
+    tokens: tuple[tuple[int, ...], tuple[bool, ...]] | None = None
+
+    @property
+    def where(self) -> str:
+        return f"{self.source} row {self.row}"
+
+
+@dataclass
+class RowAccount:
+    """What happened to input rows before tokenisation: how many were read and, per reason, how many were
+    skipped, with the first error of each reason kept for the report."""
+    rows_in: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def skip(self, error: BadRow) -> None:
+        self.skipped[error.reason] = self.skipped.get(error.reason, 0) + 1
+        self.examples.setdefault(error.reason, str(error))
+
+
+def read_jsonl(path: str | Path) -> Iterator[tuple[str, int, object]]:
+    """``(where, row, parsed value or BadRow)`` per non-blank line of a JSONL file; ``row`` is 0-based, ``where``
+    names the 1-based line. Invalid UTF-8 and invalid JSON come back as BadRow, so one bad line loses nothing
+    else."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield where, line_no - 1, BadRow(where, "<line>", "invalid_utf8", f"invalid UTF-8 ({e.reason} at "
+                                                                                 f"byte {e.start})")
+                continue
+            if not text.strip():
+                continue
+            try:
+                yield where, line_no - 1, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield where, line_no - 1, BadRow(where, "<line>", "invalid_json", f"invalid JSON ({e})")
+
+
+def detect_format(row: dict) -> str:
+    """The format of one row, from its fields (see the module docstring)."""
+    if "input_ids" in row:
+        return "tokenized"
+    if "messages" in row:
+        return "messages"
+    if "conversations" in row:
+        return "sharegpt"
+    return "prompt"
+
+
+def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto") -> Chat:
+    """Normalise one raw row. Raises :class:`BadRow` (reasons: not_an_object, missing_field, missing_role,
+    unknown_role, non_string_content, empty_conversation, system_not_first, no_user_turn, bad_tokens)."""
+    if isinstance(row, BadRow):
+        raise row
+    if not isinstance(row, dict):
+        raise BadRow(where, "<row>", "not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    fmt = detect_format(row) if fmt == "auto" else fmt
+    if fmt not in FORMATS:
+        raise ValueError(f"data.format={fmt!r} is not one of {FORMATS}")
+    if fmt == "tokenized":
+        return Chat(source, index, tokens=_tokens(row, where))
+    if fmt == "prompt":
+        turns = [{"role": "user", "content": _prompt_text(row, where)}]
+    else:
+        key, role_key, content_key = ("messages", "role", "content") if fmt == "messages" else \
+            ("conversations", "from", "value")
+        turns = _turns(row, where, key, role_key, content_key)
+    return Chat(source, index, messages=tuple(normalise(turns, where)))
+
+
+def _tokens(row: dict, where: str) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    ids, mask = row.get("input_ids"), row.get("loss_mask")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or not ids:
+        raise BadRow(where, "input_ids", "bad_tokens", "must be a non-empty list of token ids")
+    if not isinstance(mask, list) or len(mask) != len(ids) or not all(m in (0, 1, True, False) for m in mask):
+        raise BadRow(where, "loss_mask", "bad_tokens", f"must be a list of 0/1 as long as input_ids ({len(ids)})")
+    return tuple(ids), tuple(bool(m) for m in mask)
+
+
+def _prompt_text(row: dict, where: str) -> str:
+    for name in ("prompt", "question", "instruction", "turns"):
+        if name in row:
+            value = row[name]
+            if isinstance(value, list):  # MT-Bench turns: the first one
+                name, value = f"{name}[0]", value[0] if value else None
+            if not isinstance(value, str):
+                raise BadRow(where, name, "non_string_content", f"must be a string, got {type(value).__name__}")
+            if name == "instruction" and isinstance(row.get("input"), str) and row["input"].strip():
+                value = f"{value}\n\n{row['input']}"  # Alpaca: instruction + optional input
+            return value
+    raise BadRow(where, "prompt|question|instruction|turns|messages|conversations", "missing_field",
+                 f"no conversation or prompt field (fields: {sorted(row)})")
+
+
+def _turns(row: dict, where: str, key: str, role_key: str, content_key: str) -> list[dict]:
+    turns = row[key]
+    if not isinstance(turns, list):
+        raise BadRow(where, key, "not_an_object", f"must be a list of turns, got {type(turns).__name__}")
+    out = []
+    for i, turn in enumerate(turns):
+        name = f"{key}[{i}]"
+        if not isinstance(turn, dict) or role_key not in turn:
+            raise BadRow(where, f"{name}.{role_key}", "missing_role", "missing role")
+        role = ROLES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise BadRow(where, f"{name}.{role_key}", "unknown_role",
+                         f"unknown role {turn[role_key]!r} (known: {', '.join(k for k, v in ROLES.items() if v)})")
+        content = turn.get(content_key)
+        if not isinstance(content, str):
+            raise BadRow(where, f"{name}.{content_key}", "non_string_content",
+                         f"must be a string, got {type(content).__name__}")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def normalise(turns: list[dict], where: str) -> list[dict]:
+    """Drop empty turns, merge consecutive turns of one role, check the order. Raises :class:`BadRow` for
+    an empty conversation, a system turn after the first, or no user turn."""
+    merged: list[dict] = []
+    for t in turns:
+        if not t["content"].strip():
+            continue
+        if merged and merged[-1]["role"] == t["role"]:
+            merged[-1] = {"role": t["role"], "content": merged[-1]["content"] + "\n\n" + t["content"]}
+        else:
+            merged.append(dict(t))
+    if not merged:
+        raise BadRow(where, "messages", "empty_conversation", "no non-empty turn")
+    if any(t["role"] == "system" for t in merged[1:]):
+        raise BadRow(where, "messages", "system_not_first", "a system turn may only come first")
+    if not any(t["role"] == "user" for t in merged):
+        raise BadRow(where, "messages", "no_user_turn", "no user turn")
+    return merged
+
+
+def raw_rows(src: PromptSource, part: str, limit: int) -> Iterator[tuple[str, str, int, object]]:
+    """``(where, source name, row, raw value or BadRow)`` of a source, at most ``limit`` rows (bad ones count):
+    chitchat and HumanEval prompts as single prompts, JSONL line by line, anything else through datasets."""
+    if src.source in ("chitchat", "humaneval"):
+        for p in load_prompts(src, part, limit):
+            yield f"{p.source} row {p.row}", p.source, p.row, {"prompt": p.text}
+        return
+    if not src.path:
+        raise ValueError(f"data.source={src.source!r} needs data.path")
+    if src.source == "jsonl":
+        rows = ((where, str(src.path), row, value) for where, row, value in read_jsonl(src.path))
+    elif src.source == "hub":
+        name, ds = hub_rows(src.path, src.subset, src.split, src.data_files)
+        rows = ((f"{name} row {i}", name, i, row) for i, row in enumerate(ds))
+    else:
+        load_prompts(src, part, 0)  # raises the unknown-source error
+        return
+    for n, item in enumerate(rows):
+        if n == limit:
+            return
+        yield item
+
+
+def load_chats(src: PromptSource, part: str, limit: int, fmt: str = "auto", strict: bool = False,
+               account: RowAccount | None = None) -> list[Chat]:
+    """Up to ``limit`` rows of ``src`` as normalised conversations.
+
+    Lenient (default): a bad row is skipped and counted in ``account`` by reason. ``strict``: the first bad row
+    raises its :class:`BadRow` (file or dataset, row, field).
+    """
+    account = account if account is not None else RowAccount()
+    chats = []
+    for where, source, row, raw in raw_rows(src, part, limit):
+        account.rows_in += 1
+        try:
+            chats.append(to_chat(raw, where, source, row, fmt))
+        except BadRow as e:
+            if strict:
+                raise
+            account.skip(e)
+    return chats

@@ -1,0 +1,167 @@
+"""Conversations -> token ids and the loss mask over assistant tokens, through the target's own chat template.
+
+The trainable span of an assistant turn is its text as the template renders it plus its end-of-turn token
+(``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``...), never the role header, the user's turns or
+the whitespace the template puts after the end-of-turn token. Two ways to find it:
+- templates with generation markers (``{% generation %}``): transformers' ``return_assistant_tokens_mask``;
+- any other template: render the conversation up to each assistant turn (with the generation prompt) and
+  through it, and diff the strings. A template that renders a turn differently once later turns follow
+  (Qwen3 drops earlier turns' ``<think>`` blocks) is handled by ending the turn at its end-of-turn marker in
+  the full rendering. Character spans become token masks through the fast tokenizer's offsets.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+SYSTEM_POLICIES = ("auto", "keep", "fold", "drop")
+
+
+class TemplateRejected(ValueError):
+    """The chat template raised on this conversation (e.g. roles that do not alternate)."""
+
+
+def check_template(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Raises ``ValueError`` suggesting ``model.chat_template`` when the tokenizer has no chat template."""
+    if not tokenizer.chat_template:
+        raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: use an instruct/chat model, "
+                         "or pass one with model.chat_template=<jinja string or path to a .jinja file>")
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages, generation_prompt: bool = False) -> str:
+    """The template's text for ``messages``. Raises :class:`TemplateRejected` with the template's message."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as e:
+        raise TemplateRejected(f"the chat template rejected the conversation: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)
+def _accepts_system(tokenizer: PreTrainedTokenizerBase) -> bool:
+    try:
+        render(tokenizer, [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+        return True
+    except TemplateRejected:
+        return False
+
+
+def apply_system_policy(tokenizer: PreTrainedTokenizerBase, messages: list[dict], policy: str) -> list[dict]:
+    """A leading system turn kept, folded into the first user turn (``system + blank line + user``) or dropped.
+    ``auto`` keeps it when the template accepts system turns and folds it otherwise; ``keep`` leaves it for the
+    template to accept or reject. Raises ``ValueError`` for an unknown policy."""
+    if policy not in SYSTEM_POLICIES:
+        raise ValueError(f"data.system={policy!r} is not one of {SYSTEM_POLICIES}")
+    if not messages or messages[0]["role"] != "system" or policy == "keep":
+        return messages
+    if policy == "auto" and _accepts_system(tokenizer):
+        return messages
+    system, rest = messages[0], [dict(m) for m in messages[1:]]
+    if policy != "drop":
+        first_user = next(i for i, m in enumerate(rest) if m["role"] == "user")
+        rest[first_user]["content"] = system["content"] + "\n\n" + rest[first_user]["content"]
+    return rest
+
+
+def _end_marker(turn: str, specials: tuple[str, ...]) -> str:
+    """The special token a rendered turn ends with (its end-of-turn token), or '' when it ends with none."""
+    return max((s for s in specials if turn.endswith(s)), key=len, default="")
+
+
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
+    """``(start, end, end_marker_chars)`` character spans of each assistant turn in ``full`` (the rendering of
+    ``messages``), end-of-turn token included. Raises :class:`TemplateRejected` when the rendering of earlier
+    turns is not a prefix of ``full`` (the diff would be meaningless)."""
+    specials = tuple(tokenizer.all_special_tokens) + tuple(tokenizer.get_added_vocab())
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], generation_prompt=True)
+        through = render(tokenizer, messages[:i + 1])
+        if not full.startswith(before) or not through.startswith(before):
+            raise TemplateRejected(f"assistant turn {i}: the template renders earlier turns differently once this "
+                                   "turn follows; cannot locate its tokens")
+        turn = through[len(before):].rstrip()
+        marker = _end_marker(turn, specials)
+        if not full.startswith(through.rstrip()):  # rendered differently when later turns follow
+            if not marker or full.find(marker, len(before)) < 0:
+                raise TemplateRejected(f"assistant turn {i}: rendered differently when later turns follow and no "
+                                       "end-of-turn token to find it by")
+            turn = full[len(before):full.find(marker, len(before)) + len(marker)]
+        spans.append((len(before), len(before) + len(turn), len(marker)))
+    return spans
+
+
+def chat_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], train_on: str = "all",
+                unfinished: frozenset[int] = frozenset()) -> tuple[list[int], list[bool]]:
+    """``(input_ids, loss_mask)`` of a conversation rendered by the tokenizer's chat template.
+
+    Args:
+        messages: normalised ``{"role", "content"}`` turns (system policy already applied).
+        train_on: ``all`` assistant turns or the ``last`` one.
+        unfinished: indices (into ``messages``) of assistant turns cut by a token budget: their end-of-turn
+            token, which the target never produced, is not trained on.
+    Returns:
+        ids and mask of equal length; the mask is True on assistant tokens (text + end-of-turn token).
+    Raises:
+        ValueError: no chat template (suggesting ``model.chat_template``), ``train_on`` not all/last.
+        TemplateRejected: the template raised on the conversation or its turns cannot be located.
+    """
+    check_template(tokenizer)
+    if train_on not in ("all", "last"):
+        raise ValueError(f"data.train_on={train_on!r} must be all or last")
+    assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if GENERATION_MARKER.search(tokenizer.chat_template):
+        ids, runs = _marked_turns(tokenizer, messages, len(assistant))
+    else:
+        ids, runs = _diffed_turns(tokenizer, messages)
+    keep = [(a, b - cut if i in unfinished else b) for i, (a, b, cut) in zip(assistant, runs)]
+    keep = keep[-1:] if train_on == "last" else keep
+    mask = [False] * len(ids)
+    for a, b in keep:
+        mask[a:b] = [True] * (b - a)
+    return ids, mask
+
+
+GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def _marked_turns(tokenizer, messages: list[dict], n_turns: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Token runs ``(start, end, end-of-turn tokens)`` of the assistant turns from the template's generation
+    markers (transformers' ``return_assistant_tokens_mask``)."""
+    try:
+        out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+    except TemplateError as e:
+        raise TemplateRejected(f"the chat template rejected the conversation: {e}") from None
+    ids, marks = list(out["input_ids"]), list(out["assistant_masks"])
+    runs, start = [], None
+    for t, m in enumerate(marks + [0]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            runs.append((start, t, int(ids[t - 1] in tokenizer.all_special_ids)))
+            start = None
+    if len(runs) != n_turns:
+        raise TemplateRejected(f"the template's generation markers cover {len(runs)} spans for {n_turns} "
+                               "assistant turns")
+    return ids, runs
+
+
+def _diffed_turns(tokenizer, messages: list[dict]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Token runs of the assistant turns from :func:`assistant_spans`: a token belongs to a turn when it starts
+    inside the turn's characters."""
+    full = render(tokenizer, messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    starts = [s for s, _ in enc["offset_mapping"]]
+    runs = []
+    for s, e, marker in assistant_spans(tokenizer, messages, full):
+        a = bisect.bisect_left(starts, s)
+        b = bisect.bisect_left(starts, e)
+        runs.append((a, b, int(marker > 0)))
+    return list(enc["input_ids"]), runs

@@ -1,0 +1,202 @@
+"""Data from files real users bring: formats, bad rows (lenient and strict), mixtures, the regeneration CLI's
+accounting and the OpenAI-compatible server backend (a local fake server)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from data.conversations import BadRow, load_chats
+from data.pipeline import self_distilled_rows
+from data.regenerate import GenerationSettings, OpenAIBackend, answer_turns
+from data.sources import PromptSource
+from train.config import DataConfig, register_configs
+
+CONF = str(Path(__file__).resolve().parents[1] / "conf")
+register_configs()
+
+GOOD = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"},
+                  {"role": "assistant", "content": "Hello."}]},
+    {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."},
+                       {"from": "human", "value": "Another?"}, {"from": "gpt", "value": "Red."}]},
+    {"messages": [{"role": "user", "content": "Count."}, {"role": "user", "content": "To three."},
+                  {"role": "assistant", "content": "1 2 3"}, {"role": "assistant", "content": ""}]},
+    {"input_ids": [5, 6, 7, 8, 9], "loss_mask": [0, 0, 1, 1, 1]},
+]
+BAD = {  # reason -> the line that must be skipped for it
+    "invalid_json": b'{"messages": [',
+    "invalid_utf8": b'{"prompt": "caf\xe9"}',
+    "missing_role": json.dumps({"messages": [{"content": "who am I?"}]}).encode(),
+    "unknown_role": json.dumps({"messages": [{"role": "wizard", "content": "abracadabra"}]}).encode(),
+    "non_string_content": json.dumps({"messages": [{"role": "user", "content": ["a", "list"]}]}).encode(),
+    "empty_conversation": json.dumps({"messages": [{"role": "user", "content": "  "}]}).encode(),
+    "no_assistant_turn": json.dumps({"messages": [{"role": "user", "content": "nobody answers"}]}).encode(),
+    "too_long": json.dumps({"messages": [{"role": "user", "content": "long " * 200},
+                                         {"role": "assistant", "content": "ok"}]}).encode(),
+}
+EXPECTED_FIELD = {"invalid_json": "<line>", "invalid_utf8": "<line>", "missing_role": "messages[0].role",
+                  "unknown_role": "messages[0].role", "non_string_content": "messages[0].content",
+                  "empty_conversation": "messages"}
+
+
+def write_jsonl(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def data_cfg(path, **overrides) -> DataConfig:
+    base = {"source": "jsonl", "path": str(path), "num_train_prompts": 100, "num_val_prompts": 1,
+            "max_length": 64, "overlong": "drop", "regenerate": False}
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), {**base, **overrides}))
+
+
+@pytest.fixture
+def mixed_file(tmp_path):
+    """The good rows, every bad row, then one more good row (held out for validation)."""
+    lines = [json.dumps(r).encode() for r in GOOD] + list(BAD.values()) + [json.dumps(GOOD[0]).encode()]
+    return write_jsonl(tmp_path / "mixed.jsonl", lines)
+
+
+def test_every_format_normalises_to_one_conversation_shape(mixed_file):
+    chats = load_chats(PromptSource("jsonl", str(mixed_file)), "train", 4)
+    assert [m["role"] for m in chats[0].messages] == ["system", "user", "assistant"]
+    assert [m["role"] for m in chats[1].messages] == ["user", "assistant", "user", "assistant"]
+    assert chats[2].messages == ({"role": "user", "content": "Count.\n\nTo three."},
+                                 {"role": "assistant", "content": "1 2 3"})  # merged, empty turn dropped
+    assert chats[3].tokens == ((5, 6, 7, 8, 9), (False, False, True, True, True))
+    assert [c.row for c in chats] == [0, 1, 2, 3]
+
+
+def test_lenient_mode_skips_and_counts_every_bad_row_and_loses_no_good_one(tiny, mixed_file):
+    model, tokenizer = tiny
+    train, val, report = self_distilled_rows(data_cfg(mixed_file), model, tokenizer, {}, "/unused", False)
+    assert report.rows_in == len(GOOD) + len(BAD) + 1
+    assert report.skipped == dict.fromkeys(BAD, 1)
+    assert report.rows_out == len(train) + len(val) == len(GOOD) + 1
+    assert report.rows_in == report.rows_out + sum(report.skipped.values()) + report.failed
+    assert [r["row"] for r in val] == [len(GOOD) + len(BAD)]  # the last usable row is held out
+    for reason, field in EXPECTED_FIELD.items():
+        assert f"field {field!r}" in report.examples[reason]
+    assert str(mixed_file) in report.examples["unknown_role"] and ":5:" in report.examples["invalid_json"]
+    described = report.describe()
+    assert "13 rows in -> 5 out" in described and "unknown_role 1" in described
+
+
+@pytest.mark.parametrize("reason", ["invalid_json", "invalid_utf8", "unknown_role", "non_string_content",
+                                    "empty_conversation", "missing_role"])
+def test_strict_mode_fails_on_the_first_bad_row_naming_file_line_and_field(tmp_path, reason):
+    path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps(GOOD[0]).encode(), BAD[reason]])
+    with pytest.raises(BadRow) as err:
+        load_chats(PromptSource("jsonl", str(path)), "train", 10, strict=True)
+    assert str(err.value).startswith(f"{path}:2: field {EXPECTED_FIELD[reason]!r}") and err.value.reason == reason
+
+
+def test_over_long_rows_are_truncated_by_default(tiny, tmp_path):
+    model, tokenizer = tiny
+    long_answer = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok " * 300}]}
+    path = write_jsonl(tmp_path / "long.jsonl", [json.dumps(long_answer).encode(), json.dumps(GOOD[0]).encode()])
+    cfg = data_cfg(path, overlong="truncate", max_length=400)
+    train, _, report = self_distilled_rows(cfg, model, tokenizer, {}, "/unused", False)
+    assert report.truncated == 1 and len(train[0]["input_ids"]) == 400 and not report.skipped
+
+
+def test_a_dataset_with_nothing_to_train_on_is_an_error(tiny, tmp_path):
+    model, tokenizer = tiny
+    path = write_jsonl(tmp_path / "none.jsonl", [BAD["no_assistant_turn"]] * 3 + [json.dumps(GOOD[0]).encode()])
+    with pytest.raises(ValueError, match="nothing left to train on"):
+        self_distilled_rows(data_cfg(path), model, tokenizer, {}, "/unused", False)
+
+
+def test_mixtures_draw_rows_in_proportion_to_their_weights(tiny, tmp_path):
+    model, tokenizer = tiny
+    a = write_jsonl(tmp_path / "a.jsonl", [json.dumps(GOOD[0]).encode()] * 20)
+    b = write_jsonl(tmp_path / "b.jsonl", [json.dumps(GOOD[1]).encode()] * 20)
+    cfg = data_cfg(a, num_train_prompts=12, num_val_prompts=4,
+                   mixture=[{"source": "jsonl", "path": str(a), "weight": 3}, {"source": "jsonl", "path": str(b)}])
+    train, val, report = self_distilled_rows(cfg, model, tokenizer, {}, "/unused", False)
+    assert [r["source"] for r in train] == [str(a)] * 9 + [str(b)] * 3
+    assert [r["source"] for r in val] == [str(a)] * 3 + [str(b)]
+    assert report.rows_in == 16
+
+
+# ----------------------------------------------------------------------------------------------- server backend
+
+class FakeServer(BaseHTTPRequestHandler):
+    """An OpenAI-compatible chat-completions endpoint: answers "echo: <last user turn>"; "flaky" fails with 500
+    once, "broken" always (while ``broken`` is set)."""
+    seen: dict[str, int] = {}
+    broken = True
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        last = body["messages"][-1]["content"]
+        FakeServer.seen[last] = FakeServer.seen.get(last, 0) + 1
+        if (last == "flaky" and FakeServer.seen[last] == 1) or (last == "broken" and FakeServer.broken):
+            self.send_response(500)
+            self.end_headers()
+            return
+        reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
+                 "choices": [{"index": 0, "finish_reason": "stop" if len(last) < 40 else "length",
+                              "message": {"role": "assistant", "content": f"echo: {last}"}}],
+                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server():
+    FakeServer.seen, FakeServer.broken = {}, True
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    httpd.shutdown()
+
+
+def test_server_backend_answers_turn_by_turn_retries_and_reports_failures(server, tmp_path):
+    backend = OpenAIBackend(server, "m", GenerationSettings(), concurrency=4, max_retries=1)
+    two_turns = {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "dataset's"},
+                              {"role": "user", "content": "two"}]}
+    rows = [two_turns, {"prompt": "flaky"}, {"prompt": "broken"}, {"prompt": "a prompt that is longer than forty characters"}]
+    path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(r).encode() for r in rows])
+    chats = load_chats(PromptSource("jsonl", str(path)), "train", 10)
+    results = answer_turns(backend, chats)
+    assert results[0].messages == [{"role": "user", "content": "one"}, {"role": "assistant", "content": "echo: one"},
+                                   {"role": "user", "content": "two"}, {"role": "assistant", "content": "echo: two"}]
+    assert results[1].messages[-1]["content"] == "echo: flaky" and FakeServer.seen["flaky"] == 2  # retried
+    assert results[2].error.startswith("turn 0: InternalServerError") and FakeServer.seen["broken"] == 2
+    long_prompt = results[3].messages[0]["content"]
+    assert results[3].unfinished == [1] and results[3].messages[1]["content"] == f"echo: {long_prompt}"
+
+
+def test_regenerate_cli_accounts_for_every_row_and_resumes(server, tmp_path, cache_dir):
+    """written + failed + skipped == read; a rerun retries only the failed rows and completes the output."""
+    from train.regenerate import run
+    lines = [json.dumps({"messages": [{"role": "user", "content": t}]}).encode() for t in ("a", "broken", "c")]
+    source = write_jsonl(tmp_path / "in.jsonl", lines + [BAD["unknown_role"], BAD["invalid_json"]])
+    out = tmp_path / "out.jsonl"
+    overrides = ["model=tiny", f"cache_dir={cache_dir}", "data.source=jsonl", f"data.path={source}",
+                 f"data.server.base_url={server}", "data.server.max_retries=0", f"output={out}"]
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("regenerate", overrides=overrides)
+    assert run(cfg) == {"read": 5, "written": 2, "failed": 1, "skipped": 2}
+    assert not out.exists()  # written once every row succeeded
+    FakeServer.broken = False
+    calls_before = dict(FakeServer.seen)
+    assert run(cfg) == {"read": 5, "written": 3, "failed": 0, "skipped": 2}
+    assert FakeServer.seen["a"] == calls_before["a"] and FakeServer.seen["broken"] == calls_before["broken"] + 1
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["messages"][-1]["content"] for r in rows] == ["echo: a", "echo: broken", "echo: c"]

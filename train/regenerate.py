@@ -1,0 +1,66 @@
+"""Answer a dataset's user turns with the target itself, turn by turn, into a JSONL file (self-distillation).
+
+    python train/regenerate.py data=sharegpt data.path=sharegpt.json output=sharegpt_smollm2.jsonl
+    python train/regenerate.py data.source=hub data.path=HuggingFaceH4/ultrachat_200k data.split=train_sft \
+        data.server.base_url=http://localhost:8000/v1 data.server.model=Qwen/Qwen3-8B limit=200000
+    accelerate launch train/medusa.py data.source=jsonl data.path=sharegpt_smollm2.jsonl data.regenerate=false
+
+Every input row is accounted for: written + failed + skipped == read, printed at the end with the reasons.
+A killed or partly failed run continues from ``<output>.partial`` when run again (failed rows are retried).
+The training jobs regenerate the same way on their own (``data.regenerate=true``, cached).
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from data.batching import DataReport
+from data.pipeline import make_backend, read_chats
+from data.regenerate import regenerate
+from models.target import load_target, load_tokenizer
+from train.config import RegenerateConfig, register_configs, to_schema
+
+register_configs()
+
+
+def run(cfg: DictConfig) -> dict[str, int]:
+    """Regenerate ``cfg.data`` into ``cfg.output``; returns the accounting (read, written, failed, skipped)."""
+    conf: RegenerateConfig = to_schema(cfg)
+    if conf.data.server.base_url:  # the server answers: only the tokenizer (chat template) is needed here
+        target, (tokenizer, path) = None, load_tokenizer(conf.model, conf.cache_dir)
+    else:
+        target, tokenizer, path = load_target(conf.model, conf.cache_dir)
+    report = DataReport()
+    chats = read_chats(conf.data, tokenizer, report, "train", conf.limit if conf.limit is not None else 2 ** 62)
+    tokenized = [c for c in chats if c.tokens is not None]
+    for c in tokenized:
+        report.skip("tokenized_row", f"{c.where}: pre-tokenised rows cannot be regenerated")
+    chats = [c for c in chats if c.tokens is None]
+    results = regenerate(make_backend(conf.data, target, tokenizer), chats, conf.data.generation.batch_size,
+                         conf.output)
+    failed = [r for r in results if r.error]
+    counts = {"read": report.rows_in, "written": len(results) - len(failed), "failed": len(failed),
+              "skipped": sum(report.skipped.values())}
+    if counts["written"] + counts["failed"] + counts["skipped"] != counts["read"]:
+        raise RuntimeError(f"rows lost between reading and writing: {counts}")
+    print(f"target: {path}\nregenerated {conf.output}: {counts['read']} read = {counts['written']} written + "
+          f"{counts['failed']} failed + {counts['skipped']} skipped "
+          f"({', '.join(f'{k} {v}' for k, v in sorted(report.skipped.items())) or 'none skipped'})")
+    for reason, example in report.examples.items():
+        print(f"  first {reason}: {example}")
+    for r in failed[:5]:
+        print(f"  failed {r.source} row {r.row}: {r.error}")
+    if failed:
+        print(f"  {conf.output} is written once every row succeeds: run again to retry the {len(failed)} failed "
+              f"(the {counts['written']} answered are kept in {conf.output}.partial)")
+    return counts
+
+
+@hydra.main(config_path="../conf", config_name="regenerate", version_base=None)
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
