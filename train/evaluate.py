@@ -52,7 +52,7 @@ def main(argv: list[str]) -> dict:
     report["eval"] = {**report.get("eval", {}), **sets}
     report.setdefault("config", {})["eval"] = json.loads(json.dumps(asdict(conf.eval)))
     report["evaluated_drafter"] = str(out / drafter) if drafter else None
-    report["hardware"] = hardware()
+    report["hardware"], report["dtype"] = hardware(), conf.model.dtype
     print(format_table(sets))
     print(f"report: {write_report(report, out)}")
     return report
