@@ -193,6 +193,8 @@ def raw_rows(src: PromptSource, part: str, limit: int) -> Iterator[tuple[str, st
     if not src.path:
         raise ValueError(f"data.source={src.source!r} needs data.path")
     if src.source == "jsonl":
+        if not Path(src.path).is_file():
+            raise FileNotFoundError(f"data.path={src.path}: no such file")
         rows = ((where, str(src.path), row, value) for where, row, value in read_jsonl(src.path))
     elif src.source == "hub":
         name, ds = hub_rows(src.path, src.subset, src.split, src.data_files)

@@ -30,7 +30,7 @@ def check_template(tokenizer: PreTrainedTokenizerBase) -> None:
     """Raises ``ValueError`` suggesting ``model.chat_template`` when the tokenizer has no chat template."""
     if not tokenizer.chat_template:
         raise ValueError(f"tokenizer {tokenizer.name_or_path!r} has no chat template: use an instruct/chat model, "
-                         "or pass one with model.chat_template=<jinja string or path to a .jinja file>")
+                         "or pass one with model.chat_template=<Jinja text or a path to a file holding it>")
 
 
 def render(tokenizer: PreTrainedTokenizerBase, messages, generation_prompt: bool = False) -> str:

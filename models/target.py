@@ -56,7 +56,7 @@ class TargetSpec:
     dtype: str = "float32"
     """Weights dtype: float32, bfloat16 or float16."""
     chat_template: str | None = None
-    """A Jinja chat template (the string, or a path to a ``.jinja`` file) replacing the tokenizer's own, for a
+    """A Jinja chat template (the text, or a path to a file holding it) replacing the tokenizer's own, for a
     base model without one or a template that mishandles the data."""
     tiny: TinySpec = field(default_factory=TinySpec)
     """Sizes of the tiny random Llama built when ``name_or_path`` is ``tiny://llama`` (ignored otherwise)."""
@@ -191,9 +191,20 @@ def load_tokenizer(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedT
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if spec.chat_template:
-        template = Path(spec.chat_template).expanduser()
-        tokenizer.chat_template = template.read_text() if template.suffix == ".jinja" else spec.chat_template
+        tokenizer.chat_template = _template_text(spec.chat_template)
     return tokenizer, path
+
+
+def _template_text(value: str) -> str:
+    """``model.chat_template``: Jinja text (it has ``{{`` or ``{%``) or a path to a file holding it.
+    Raises ``FileNotFoundError`` naming the option for a path that does not exist."""
+    if "{{" in value or "{%" in value:
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"model.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+                                f"nor an existing file")
+    return path.read_text()
 
 
 def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:

@@ -88,3 +88,34 @@ def test_a_preset_model_gives_way_to_an_explicit_name(tmp_path):
     cfg = to_schema(_compose("model.name_or_path=/nonexistent/folder"))
     with pytest.raises(FileNotFoundError, match="no such model folder"):
         resolve_target_path(cfg.model, tmp_path)
+
+
+@pytest.mark.parametrize("group", ["data", "eval", "model", "tracker"])
+def test_every_group_preset_composes(group):
+    for preset in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
+        extra = ["model.name_or_path=org/model"] if (group, preset) == ("model", "hf") else []  # hf names no model
+        cfg = to_schema(_compose(f"{group}={preset}", *extra))
+        assert isinstance(cfg, MedusaRunConfig), preset
+
+
+LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+EXPECTED_LAUNCH = {"single": "NO", "ddp": "MULTI_GPU", "ddp_cpu": "MULTI_CPU", "multinode": "MULTI_GPU",
+                   "fsdp": "FSDP", "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED"}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_LAUNCH))
+def test_launch_configs_are_valid_accelerate_configs(name):
+    """accelerate's own loader reads each file (an unknown key or value is an error there)."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    config = ClusterConfig.from_yaml_file(str(LAUNCH / f"{name}.yaml"))
+    assert config.distributed_type.value == EXPECTED_LAUNCH[name]
+    if name.startswith("deepspeed"):
+        assert config.deepspeed_config["zero_stage"] == int(name[-1])
+    if name == "fsdp":
+        assert config.fsdp_config["fsdp_version"] == 2
+
+
+def test_slurm_script_is_valid_bash():
+    import subprocess
+    assert subprocess.run(["bash", "-n", str(LAUNCH / "slurm.sbatch")]).returncode == 0
+    assert sorted(p.stem for p in LAUNCH.glob("*.yaml")) == sorted(EXPECTED_LAUNCH)

@@ -200,3 +200,19 @@ def test_regenerate_cli_accounts_for_every_row_and_resumes(server, tmp_path, cac
     assert FakeServer.seen["a"] == calls_before["a"] and FakeServer.seen["broken"] == calls_before["broken"] + 1
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["messages"][-1]["content"] for r in rows] == ["echo: a", "echo: broken", "echo: c"]
+    with initialize_config_dir(config_dir=CONF, version_base=None):  # other settings never mix into this output
+        other = compose("regenerate", overrides=overrides + ["data.generation.max_new_tokens=5"])
+    with pytest.raises(ValueError, match="was made from other data, target or generation settings"):
+        run(other)
+
+
+def test_chat_template_option_takes_jinja_text_or_a_file(tmp_path, cache_dir):
+    from models.target import TINY, TargetSpec, load_tokenizer
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template"
+    path.write_text(template)
+    for value in (template, str(path)):
+        tokenizer, _ = load_tokenizer(TargetSpec(name_or_path=TINY, chat_template=value), cache_dir)
+        assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"
+    with pytest.raises(FileNotFoundError, match="model.chat_template='/no/such/template' is neither"):
+        load_tokenizer(TargetSpec(name_or_path=TINY, chat_template="/no/such/template"), cache_dir)

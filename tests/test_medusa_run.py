@@ -172,8 +172,10 @@ def test_evaluate_an_export_reloaded_from_disk(smoke_run):
             "eval.sets=[{name: served, source: chitchat, num_prompts: 3}]"]
     own = evaluate_main(args)["eval"]["served"]
     served = evaluate_main(args + ["drafter=export/vllm"])
-    assert served["evaluated_drafter"] == str(out / "export/vllm")
+    assert served["evaluations"][-1]["drafter"] == str(out / "export/vllm")
+    assert served["evaluations"][-1]["overrides"] == args[1:] and served["evaluations"][-2]["drafter"] == "run"
     m = served["eval"]["served"]
+    assert m["drafter"] == str(out / "export/vllm") and own["drafter"] == "run"
     assert set(m["peers"]) == {"medusa_tree"} and m["greedy_match"] == 1.0
     for key in ("acceptance_length", "acceptance_rate_per_position", "accepted_histogram"):
         assert m[key] == own[key]

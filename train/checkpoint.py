@@ -54,6 +54,8 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, meta: dict
 
     ``meta`` must hold ``stage`` and ``step``; ``order`` (a global counter) is added. Older checkpoints
     beyond ``keep_last`` are deleted once the new one is complete.
+    Raises ``OSError`` naming the checkpoint and the previous complete one (left intact) when writing fails
+    (disk full, unwritable directory); the partial folder is removed.
     """
     root = checkpoint_root(output_dir)
     previous = complete_checkpoints(output_dir)
@@ -63,12 +65,19 @@ def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, meta: dict
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
+    try:
+        accelerator.save_state(str(tmp))
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = f"the previous checkpoint {previous[-1][0]} is intact" if previous else "no earlier checkpoint"
+        raise OSError(e.errno, f"cannot write checkpoint {final} ({e.strerror or e}); {kept}; free space or "
+                               f"fix output_dir, then resume=true") from e
     if accelerator.is_main_process:
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
         for old, _ in complete_checkpoints(output_dir)[:-keep_last] if keep_last > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()

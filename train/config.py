@@ -66,6 +66,15 @@ class DataConfig(PromptSource):
     user turn), keep, fold, drop."""
     strict: bool = False
     """Fail on the first bad row (file, row, field) instead of skipping and counting it."""
+    hidden_states: str = "memory"
+    """Target states for training: memory (computed at the start of each run, kept in RAM) or offline (read
+    from ``hidden_states_dir``, written once by ``train/cache_hidden_states.py`` with the same config)."""
+    hidden_states_dir: str | None = None
+    """The offline cache folder (safetensors shards + manifest); default ``<output_dir>/hidden_states``."""
+    hidden_states_dtype: str = "bfloat16"
+    """Dtype of the offline cache on disk: bfloat16, float16 or float32 (read back in the target's dtype)."""
+    cache_shard_rows: int = 256
+    """Rows per cache shard (the unit a killed caching run resumes from)."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     server: ServerConfig = field(default_factory=ServerConfig)
     """Regenerate through a served model instead of the in-process target (same answers, real scale)."""
@@ -171,6 +180,13 @@ class TrainerConfig:
     """Checkpoints kept; older ones are deleted after a new one is complete."""
     hidden_states_batch_size: int = 16
     """Rows per target forward when caching hidden states."""
+    collective_timeout_min: int = 180
+    """How long ranks wait at a barrier while rank 0 works alone (regenerating an uncached dataset, final
+    evaluation): regenerate big datasets beforehand with train/regenerate.py. A rank that fails still ends the
+    others at once (accelerate launch / torchrun stops them)."""
+    nonfinite: str = "stop"
+    """A NaN/inf loss on any rank: stop (error naming stage, step, batch and rows) or skip the batch (counted
+    as ``<stage>/skipped_nonfinite``; needs grad_accum 1). Checked every micro-batch (one scalar sync)."""
 
 
 @dataclass

@@ -37,10 +37,16 @@ from train.validation import validate_dflash
 register_configs()
 
 
+def target_layer_ids(conf: DFlashRunConfig, target) -> list[int]:
+    """The target layers the drafter reads: ``dflash.target_layer_ids``, else K spaced from 1 to L-3."""
+    d = conf.dflash
+    return d.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers, d.num_target_features)
+
+
 def build_drafter(conf: DFlashRunConfig, target, tokenizer) -> DFlashDraftModel:
     """A fresh drafter for ``target`` from ``conf.dflash`` (layer ids and mask token resolved)."""
     d = conf.dflash
-    layer_ids = d.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers, d.num_target_features)
+    layer_ids = target_layer_ids(conf, target)
     mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
     if d.attention not in ("auto", "flex", "sdpa"):
         raise ValueError(f"dflash.attention={d.attention!r} must be auto, flex or sdpa")

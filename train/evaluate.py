@@ -8,8 +8,9 @@
 
 ``run_dir`` (or the first argument) is the run; ``drafter`` an export folder to measure instead of the run's
 own (``export/vllm``, ``export/tgi``: read back by their strict loaders; a DFlash run is measured from
-``export/dflash`` by default). Other ``key=value`` pairs override the run's saved config. Updates ``report.json``
-and the plot; sets measured before and not re-run are kept.
+``export/dflash`` by default). Other ``key=value`` pairs override the run's saved config. Updates the run's
+``report.json`` and plot: the sets measured replace those of the same name (each says which ``drafter`` it
+measured), others are kept, and ``evaluations`` records every invocation (overrides, eval config, hardware).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import asdict
+from datetime import datetime, timezone
 from pathlib import Path
 
 from train.evaluation import format_table, hardware, write_report
@@ -49,10 +51,14 @@ def main(argv: list[str]) -> dict:
         conf, target, tokenizer, heads, _ = load_saved_run(out, overrides, drafter)
         sets = evaluate_heads(conf.eval, load_eval_sets(conf.eval), target, tokenizer, heads,
                               report.get("head_rank_accuracy"))
+    source = str(out / drafter) if drafter else "run"
+    for m in sets.values():
+        m["drafter"] = source
     report["eval"] = {**report.get("eval", {}), **sets}
-    report.setdefault("config", {})["eval"] = json.loads(json.dumps(asdict(conf.eval)))
-    report["evaluated_drafter"] = str(out / drafter) if drafter else None
-    report["hardware"], report["dtype"] = hardware(), conf.model.dtype
+    report.setdefault("evaluations", []).append({
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source, "overrides": overrides,
+        "sets": sorted(sets), "eval": json.loads(json.dumps(asdict(conf.eval))), "hardware": hardware(),
+        "dtype": conf.model.dtype})
     print(format_table(sets))
     print(f"report: {write_report(report, out)}")
     return report

@@ -4,6 +4,7 @@ states, close the run."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from data.batching import DataReport, data_scalars, padding_fraction, rank_shard
 from data.hidden_states import attach_hidden_states
 from data.pipeline import self_distilled_rows
+from data.state_cache import CacheSpec, cache_spec, read_cache
 from models.target import load_target, model_identity
 from train.checkpoint import latest_checkpoint
 from train.config import RunConfig, to_schema
@@ -45,6 +47,8 @@ def open_job(cfg: DictConfig, stages: tuple[str, ...]) -> Job:
     conf = to_schema(cfg)
     accelerator = make_accelerator(cfg, run_name=Path(conf.output_dir).name)
     out = Path(conf.output_dir)
+    if accelerator.is_main_process:
+        check_writable(out)
     eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
@@ -54,9 +58,20 @@ def open_job(cfg: DictConfig, stages: tuple[str, ...]) -> Job:
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
     resume = latest_checkpoint(out, identity, stages) if conf.resume else None
     if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+
+
+def check_writable(out: Path) -> None:
+    """Create the run directory and write a probe file in it; ``OSError`` naming it otherwise, before any
+    work (not at the first checkpoint)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(e.errno, f"output_dir={out} is not a writable directory: {e}") from e
 
 
 def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
@@ -76,11 +91,33 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
     if not attach:
         return train_rows, val_rows, report
     pad, bs = job.tokenizer.pad_token_id, conf.trainer.hidden_states_batch_size
+    if conf.data.hidden_states == "offline":
+        rows = train_rows + val_rows
+        spec = state_cache_spec(job, rows, layer_ids)
+        per_rank = len(rank_shard(train_rows, accelerator.process_index, accelerator.num_processes))
+        mine = range(accelerator.process_index * per_rank, (accelerator.process_index + 1) * per_rank)
+        held_out = range(len(train_rows), len(rows)) if accelerator.is_main_process else range(0)
+        read_cache(state_cache_dir(conf), spec, rows, [*mine, *held_out], job.target.dtype)
+        print0(accelerator, f"target states: read from {state_cache_dir(conf)}")
+        return train_rows, val_rows, report
+    if conf.data.hidden_states != "memory":
+        raise ValueError(f"data.hidden_states={conf.data.hidden_states!r} must be memory or offline")
     attach_hidden_states(job.target, rank_shard(train_rows, accelerator.process_index, accelerator.num_processes),
                          bs, pad, accelerator.is_main_process, layer_ids=layer_ids)
     if accelerator.is_main_process:
         attach_hidden_states(job.target, val_rows, bs, pad, False, layer_ids=layer_ids)
     return train_rows, val_rows, report
+
+
+def state_cache_dir(conf: RunConfig) -> Path:
+    """``data.hidden_states_dir``, by default ``<output_dir>/hidden_states``."""
+    return Path(conf.data.hidden_states_dir or Path(conf.output_dir) / "hidden_states")
+
+
+def state_cache_spec(job: Job, rows: list[dict], layer_ids) -> CacheSpec:
+    """What the offline cache of ``rows`` must have been made for (this target, layers, tokenizer, data)."""
+    return cache_spec(job.target, job.identity, job.tokenizer, rows, layer_ids, job.conf.data.max_length,
+                      job.conf.data.hidden_states_dtype)
 
 
 def close_job(job: Job, report: dict) -> dict:

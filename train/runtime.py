@@ -6,12 +6,13 @@ Scripts never read RANK or WORLD_SIZE themselves; ``accelerate launch`` sets the
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 import secrets
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
 TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
@@ -29,8 +30,11 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     log_with = TRACKERS[cfg.tracker.name]
     # Without any accelerator, `accelerate launch --multi_gpu` would leave every process believing it is
     # alone (DistributedType.NO); cpu=True makes it real DDP over gloo instead.
+    # Rank 0 works alone while the others wait at a barrier (regenerating an uncached dataset, the final
+    # validation, export and evaluation): the collective timeout must outlast that, not torch's default.
+    timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.trainer.collective_timeout_min))
     accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None, log_with=log_with,
-                              mixed_precision=cfg.trainer.mixed_precision,
+                              kwargs_handlers=[timeout], mixed_precision=cfg.trainer.mixed_precision,
                               gradient_accumulation_steps=cfg.trainer.grad_accum,
                               project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                                                   logging_dir=str(Path(cfg.output_dir) / "logs")))

@@ -47,13 +47,17 @@ class TrainState:
     micro: int = 0
     step: int = 0
     scheduler: object = None
+    skipped_nonfinite: int = 0
+    """Micro-batches skipped for a non-finite loss (``trainer.nonfinite=skip``)."""
     history: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
-        return {"micro": self.micro, "step": self.step, "scheduler": self.scheduler.state_dict()}
+        return {"micro": self.micro, "step": self.step, "scheduler": self.scheduler.state_dict(),
+                "skipped_nonfinite": self.skipped_nonfinite}
 
     def load_state_dict(self, state: dict) -> None:
         self.micro, self.step = state["micro"], state["step"]
+        self.skipped_nonfinite = state.get("skipped_nonfinite", 0)
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -66,7 +70,7 @@ def _train_state(accelerator: Accelerator, scheduler) -> TrainState:
         _STATES[accelerator] = TrainState()
         accelerator.register_for_checkpointing(_STATES[accelerator])
     state = _STATES[accelerator]
-    state.micro, state.step, state.scheduler, state.history = 0, 0, scheduler, []
+    state.micro, state.step, state.scheduler, state.skipped_nonfinite, state.history = 0, 0, scheduler, 0, []
     return state
 
 
@@ -91,6 +95,9 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
     if total_steps < 1:
         raise ValueError(f"{strategy.name}: {len(shard)} rows per process, batch_size {trainer.batch_size} and "
                          f"grad_accum {trainer.grad_accum} give no optimizer step; add data or epochs")
+    if trainer.nonfinite not in ("stop", "skip") or (trainer.nonfinite == "skip" and trainer.grad_accum != 1):
+        raise ValueError(f"trainer.nonfinite={trainer.nonfinite!r} must be stop, or skip with grad_accum 1 "
+                         f"(skipping part of an accumulation window would desynchronise the ranks' gradients)")
 
     optimizer = torch.optim.AdamW(strategy.param_groups(trainer.lr), weight_decay=trainer.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(trainer.warmup_ratio * total_steps), total_steps)
@@ -107,6 +114,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
     bar = tqdm(total=total_steps, initial=state.step, desc=f"{strategy.name} training", unit="step",
                disable=not accelerator.is_main_process)
     epoch_cache: tuple[int, list] = (-1, [])
+    saved_step = state.step
     module.train()
     while state.micro < total_micro:
         epoch, index = divmod(state.micro, per_epoch)
@@ -118,6 +126,17 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         _check_fields(strategy, batch)
         with accelerator.accumulate(module):
             loss, metrics = strategy.forward_loss(module, batch)
+            if not _finite_everywhere(accelerator, loss):
+                where = (f"[{strategy.name}] non-finite loss at optimizer step {state.step + 1} (epoch {epoch}, "
+                         f"batch {index}, micro-batch {state.micro}); this rank's loss {loss.item()}, rows "
+                         f"{[(r['source'], r['row']) for r in epoch_cache[1][index]]}")
+                if trainer.nonfinite == "stop":
+                    raise FloatingPointError(where + "; trainer.nonfinite=skip skips such batches")
+                accelerator.print(where + ": skipped")
+                state.micro += 1
+                state.skipped_nonfinite += 1
+                optimizer.zero_grad()
+                continue
             accelerator.backward(loss)
             if accelerator.sync_gradients:
                 metrics["grad_norm"] = torch.as_tensor(accelerator.clip_grad_norm_(module.parameters(),
@@ -138,6 +157,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
             logs = _reduce(accelerator, window, strategy.name)
             elapsed = time.perf_counter() - t0
             logs["perf/trainable_tokens_per_s"] = tokens * accelerator.num_processes / elapsed
+            logs[f"{strategy.name}/skipped_nonfinite"] = state.skipped_nonfinite
             logs.update({f"{strategy.name}/lr_group{i}": g["lr"] for i, g in enumerate(optimizer.param_groups)})
             accelerator.log(logs, step=_global_step(meta, state.step))
             state.history.append({"step": state.step, **logs})
@@ -147,9 +167,21 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         if state.step % trainer.checkpoint_every == 0 or state.micro == total_micro:
             save_checkpoint(accelerator, output_dir, {**meta, "stage": strategy.name, "step": state.step,
                                                       "done": state.micro == total_micro}, trainer.keep_last)
+            saved_step = state.step
+    if state.step != saved_step:  # the stage ended on a skipped batch: its last steps need their checkpoint
+        save_checkpoint(accelerator, output_dir, {**meta, "stage": strategy.name, "step": state.step, "done": True},
+                        trainer.keep_last)
     bar.close()
     accelerator.free_memory()  # the next stage prepares its own module and optimizer
     return state
+
+
+def _finite_everywhere(accelerator: Accelerator, loss: torch.Tensor) -> bool:
+    """Whether the loss is finite on every rank (one scalar gather: all ranks then skip or stop together)."""
+    finite = torch.isfinite(loss.detach()).float().reshape(1)
+    if accelerator.num_processes > 1:
+        finite = accelerator.gather(finite)
+    return bool(finite.min() > 0)
 
 
 def _global_step(meta: dict, step: int) -> int:

@@ -1,0 +1,181 @@
+"""The target's states for every training row, written once to disk and read by any number of training runs.
+
+Layout of a cache folder:
+- ``shard-00000.safetensors`` ...: rows ``[k * shard_rows, (k + 1) * shard_rows)`` of the job's row list, one
+  tensor per row (``row<i>``: ``[T_i, D]`` last hidden states, or ``[T_i, K*D]`` layer features), in the cache
+  dtype; each shard is written to a temporary name and renamed, then its ``.json`` (row indices, sha256);
+- ``manifest.json``: what the states are for (:class:`CacheSpec`: target identity and weights fingerprint, layer
+  ids, tokenizer, max length, data fingerprint, dtype) and every shard's checksum, written when all are there.
+
+Each rank writes the shards ``k % world_size == rank``. A shard whose ``.json`` exists and matches its file is
+complete and skipped by a resumed run; anything else is rewritten. Readers refuse a cache made for another
+model, layers, tokenizer, max length, data or dtype, naming the field, and a shard whose checksum is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from data.batching import collate
+from data.hidden_states import last_hidden_states, layer_features
+from models.target import torch_dtype
+
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Everything the cached states depend on; a reader compares it field by field."""
+    model: dict
+    """The target's identity (``models.target.model_identity``) plus ``weights_sha256`` of its parameters."""
+    layer_ids: list[int] | None
+    """Decoder layers whose outputs are cached (DFlash), or None for the last hidden states (Medusa)."""
+    tokenizer: dict
+    """name, vocabulary size, sha256 of the chat template."""
+    max_length: int
+    data_sha256: str
+    """Hash of every row's token ids, in order."""
+    dtype: str
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's name, shape and bytes (seconds for a 135M model; run once per cache)."""
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def cache_spec(model, identity: dict, tokenizer, rows: list[dict], layer_ids: Sequence[int] | None,
+               max_length: int, dtype: str) -> CacheSpec:
+    """The spec of states for ``rows`` from this target."""
+    data = hashlib.sha256()
+    for r in rows:
+        data.update(r["input_ids"].numpy().astype("int64").tobytes() + b"|")
+    template = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
+    return CacheSpec({**identity, "weights_sha256": weights_fingerprint(model)},
+                     list(layer_ids) if layer_ids is not None else None,
+                     {"name": tokenizer.name_or_path, "vocab_size": len(tokenizer), "chat_template_sha256": template},
+                     max_length, data.hexdigest(), dtype)
+
+
+def estimated_bytes(rows: list[dict], width: int, dtype: str) -> int:
+    """Disk size of the states: tokens x feature width x bytes per element."""
+    return sum(len(r["input_ids"]) for r in rows) * width * torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def _complete(folder: Path, k: int) -> bool:
+    info = folder / (_shard_name(k) + ".json")
+    path = folder / _shard_name(k)
+    return info.exists() and path.exists() and json.loads(info.read_text())["sha256"] == _sha256(path)
+
+
+def write_cache(model, rows: list[dict], folder: str | Path, spec: CacheSpec, shard_rows: int, batch_size: int,
+                pad_token_id: int, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> list[int]:
+    """Write this rank's shards (skipping complete ones); returns the shard indices written now.
+
+    The caller writes the manifest (:func:`write_manifest`) once every rank is done.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    dtype = torch_dtype(spec.dtype)
+    device = next(model.parameters()).device
+    n_shards = -(-len(rows) // shard_rows)
+    mine = [k for k in range(n_shards) if k % world_size == rank and not _complete(folder, k)]
+    for k in tqdm(mine, desc="caching target states", unit="shard", disable=not show_progress):
+        indices = list(range(k * shard_rows, min((k + 1) * shard_rows, len(rows))))
+        order = sorted(indices, key=lambda i: len(rows[i]["input_ids"]))  # little padding per forward
+        tensors = {}
+        for s in range(0, len(order), batch_size):
+            chunk = order[s:s + batch_size]
+            batch = collate([rows[i] for i in chunk], pad_token_id)
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            states = (last_hidden_states(model, ids, mask) if spec.layer_ids is None
+                      else layer_features(model, ids, mask, spec.layer_ids)).to("cpu", dtype)
+            for j, i in enumerate(chunk):
+                tensors[f"row{i}"] = states[j, :len(rows[i]["input_ids"])].contiguous()
+        path = folder / _shard_name(k)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        save_file(tensors, str(tmp))
+        tmp.replace(path)
+        info = path.with_name(path.name + ".json")
+        info.with_name(info.name + ".tmp").write_text(json.dumps({"rows": indices, "sha256": _sha256(path)}))
+        info.with_name(info.name + ".tmp").replace(info)
+    return mine
+
+
+def write_manifest(folder: str | Path, spec: CacheSpec, n_rows: int, shard_rows: int) -> Path:
+    """``manifest.json`` from the shards' records. Raises ``FileNotFoundError`` naming a missing shard."""
+    folder = Path(folder)
+    shards = []
+    for k in range(-(-n_rows // shard_rows)):
+        info = folder / (_shard_name(k) + ".json")
+        if not info.exists():
+            raise FileNotFoundError(f"{folder / _shard_name(k)} was not written (a rank failed?); run again")
+        shards.append({"file": _shard_name(k), **json.loads(info.read_text())})
+    path = folder / MANIFEST
+    path.with_name(MANIFEST + ".tmp").write_text(json.dumps({"spec": asdict(spec), "num_rows": n_rows,
+                                                             "shard_rows": shard_rows, "shards": shards}, indent=1))
+    path.with_name(MANIFEST + ".tmp").replace(path)
+    return path
+
+
+def read_cache(folder: str | Path, spec: CacheSpec, rows: list[dict], indices: Sequence[int] | None = None,
+               dtype: torch.dtype | None = None) -> None:
+    """Attach cached states to ``rows`` in place (``hidden_states`` or ``target_features``, cast to ``dtype``,
+    default the cache's), only those at ``indices`` (default: all), reading and verifying just the shards that
+    hold them.
+
+    Raises:
+        FileNotFoundError: no manifest (the cache was never completed: run train/cache_hidden_states.py).
+        ValueError: the cache was made for something else (names the field, cache vs run), or a shard's
+            checksum or contents are wrong (names the shard).
+    """
+    folder = Path(folder)
+    if not (folder / MANIFEST).exists():
+        raise FileNotFoundError(f"{folder} holds no complete hidden-state cache ({MANIFEST} missing): run "
+                                f"accelerate launch train/cache_hidden_states.py with the same config first")
+    manifest = json.loads((folder / MANIFEST).read_text())
+    cached = manifest["spec"]
+    for name, value in asdict(spec).items():
+        if cached.get(name) != value:
+            raise ValueError(f"{folder}: the cache was made for another {name}: cache {cached.get(name)!r}, this run "
+                             f"{value!r}; rebuild it with train/cache_hidden_states.py")
+    key = "hidden_states" if spec.layer_ids is None else "target_features"
+    wanted = set(range(len(rows)) if indices is None else indices)
+    for shard in manifest["shards"]:
+        needed = wanted & set(shard["rows"])
+        if not needed:
+            continue
+        path = folder / shard["file"]
+        if not path.exists() or _sha256(path) != shard["sha256"]:
+            raise ValueError(f"{path}: missing or corrupt (checksum differs from {MANIFEST}); rebuild the cache "
+                             f"(complete shards are kept)")
+        tensors = load_file(str(path))
+        for i in needed:
+            if tensors[f"row{i}"].shape[0] != len(rows[i]["input_ids"]):
+                raise ValueError(f"{path}: row {i} has {tensors[f'row{i}'].shape[0]} states for "
+                                 f"{len(rows[i]['input_ids'])} tokens")
+            rows[i][key] = tensors[f"row{i}"].to(dtype) if dtype is not None else tensors[f"row{i}"]

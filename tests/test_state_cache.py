@@ -1,0 +1,158 @@
+"""The offline target-state cache: equal to the states computed in memory (batched, padded), resumable,
+refusing a cache made for something else or corrupted, written by several ranks, and read by training."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
+
+from data.hidden_states import attach_hidden_states
+from data.state_cache import CacheSpec, cache_spec, read_cache, write_cache, write_manifest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows_of(lengths, vocab, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, vocab, (n,), generator=g), "loss_mask": torch.ones(n, dtype=torch.bool),
+             "source": "s", "row": i} for i, n in enumerate(lengths)]
+
+
+LENGTHS = [5, 17, 9, 30, 2, 12, 9]
+
+
+def build(tiny, folder, rows, layer_ids=None, dtype="float32", shard_rows=3):
+    model, tokenizer = tiny
+    spec = cache_spec(model, {"name_or_path": "tiny"}, tokenizer, rows, layer_ids, 64, dtype)
+    written = write_cache(model, rows, folder, spec, shard_rows, 2, tokenizer.pad_token_id, show_progress=False)
+    write_manifest(folder, spec, len(rows), shard_rows)
+    return spec, written
+
+
+@pytest.mark.parametrize("layer_ids, dtype, atol", [(None, "float32", 1e-5), ([0, 2], "float32", 1e-5),
+                                                   (None, "bfloat16", 2e-2)])
+def test_cached_states_equal_the_states_computed_in_memory(tiny, tmp_path, layer_ids, dtype, atol):
+    model, tokenizer = tiny
+    rows = rows_of(LENGTHS, model.config.vocab_size)
+    spec, written = build(tiny, tmp_path, rows, layer_ids, dtype)
+    assert written == [0, 1, 2]
+    cached = [dict(r) for r in rows]
+    read_cache(tmp_path, spec, cached, dtype=torch.float32)
+    attach_hidden_states(model, rows, batch_size=4, pad_token_id=tokenizer.pad_token_id, show_progress=False,
+                         layer_ids=layer_ids)
+    key = "hidden_states" if layer_ids is None else "target_features"
+    for c, r in zip(cached, rows):
+        assert c[key].shape == r[key].shape == (len(r["input_ids"]), 64 * (len(layer_ids) if layer_ids else 1))
+        torch.testing.assert_close(c[key], r[key], atol=atol, rtol=0)
+
+
+def test_a_resumed_cache_build_rewrites_only_missing_and_corrupt_shards(tiny, tmp_path):
+    rows = rows_of(LENGTHS, tiny[0].config.vocab_size)
+    spec, _ = build(tiny, tmp_path, rows)
+    reference = {k: {n: t.clone() for n, t in load_file(str(tmp_path / f"shard-0000{k}.safetensors")).items()}
+                 for k in range(3)}  # cloned: load_file maps the file, which is overwritten below
+    (tmp_path / "shard-00001.safetensors.json").unlink()  # killed before its record was written
+    (tmp_path / "shard-00002.safetensors").write_bytes(b"truncated")  # a torn file
+    _, written = build(tiny, tmp_path, rows)
+    assert written == [1, 2]
+    for k in range(3):
+        got = load_file(str(tmp_path / f"shard-0000{k}.safetensors"))
+        assert got.keys() == reference[k].keys() and all(torch.equal(got[n], reference[k][n]) for n in got)
+
+
+def test_a_corrupt_shard_is_named_when_training_reads_the_cache(tiny, tmp_path):
+    rows = rows_of(LENGTHS, tiny[0].config.vocab_size)
+    spec, _ = build(tiny, tmp_path, rows)
+    shard = tmp_path / "shard-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    read_cache(tmp_path, spec, [dict(r) for r in rows], indices=[0, 1, 2])  # other shards stay readable
+    with pytest.raises(ValueError, match="shard-00001.safetensors: missing or corrupt"):
+        read_cache(tmp_path, spec, [dict(r) for r in rows])
+
+
+@pytest.mark.parametrize("field, change", [
+    ("layer_ids", [1]), ("max_length", 128), ("dtype", "bfloat16"), ("data_sha256", "0" * 64),
+    ("model", {"name_or_path": "other"}), ("tokenizer", {"name": "other"})])
+def test_a_cache_made_for_something_else_is_refused_naming_the_field(tiny, tmp_path, field, change):
+    rows = rows_of(LENGTHS, tiny[0].config.vocab_size)
+    spec, _ = build(tiny, tmp_path, rows)
+    wrong = CacheSpec(**{**spec.__dict__, field: change})
+    with pytest.raises(ValueError, match=f"the cache was made for another {field}: cache"):
+        read_cache(tmp_path, wrong, rows)
+    with pytest.raises(FileNotFoundError, match="no complete hidden-state cache"):
+        read_cache(tmp_path / "nothing", spec, rows)
+
+
+def test_the_weights_fingerprint_tells_targets_apart(tiny, tmp_path):
+    model, tokenizer = tiny
+    rows = rows_of(LENGTHS[:2], model.config.vocab_size)
+    spec = cache_spec(model, {}, tokenizer, rows, None, 64, "float32")
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    try:
+        assert cache_spec(model, {}, tokenizer, rows, None, 64, "float32").model != spec.model
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight[0, 0] -= 1.0
+
+
+def smoke(job, out, cache_dir, *overrides):
+    from tests.test_medusa_run import SMOKE_STAGES
+    extra = SMOKE_STAGES if job == "medusa" else []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return compose(job, overrides=["+experiment=smoke", *extra, f"output_dir={out}", f"cache_dir={cache_dir}",
+                                       "stage2.enabled=false" if job == "medusa" else "train.epochs=1",
+                                       "eval.enabled=false", *overrides])
+
+
+def test_training_on_the_offline_cache_follows_the_in_memory_curve(tmp_path, cache_dir):
+    from train.cache_hidden_states import run as cache_states
+    from train.medusa import run as train_medusa
+    hs = tmp_path / "hs"
+    folder = cache_states(smoke("medusa", tmp_path / "a", cache_dir, f"data.hidden_states_dir={hs}",
+                                "data.hidden_states_dtype=float32", "data.cache_shard_rows=16"))
+    manifest = json.loads((Path(folder) / "manifest.json").read_text())
+    offline = train_medusa(smoke("medusa", tmp_path / "b", cache_dir, "data.hidden_states=offline",
+                                 f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32"))
+    n = offline["data"]["rows_out"]  # training and validation rows, all cached
+    assert manifest["num_rows"] == n and len(manifest["shards"]) == -(-n // 16) > 1
+    memory = train_medusa(smoke("medusa", tmp_path / "c", cache_dir))
+    a, b = offline["train_curves"]["stage1"], memory["train_curves"]["stage1"]
+    assert [x["step"] for x in a] == [x["step"] for x in b]
+    for x, y in zip(a, b):
+        assert x["stage1/loss"] == pytest.approx(y["stage1/loss"], rel=1e-4)
+    with pytest.raises(ValueError, match="another layer_ids"):  # a DFlash job cannot read Medusa's cache
+        from train.dflash import run as train_dflash
+        train_dflash(smoke("dflash", tmp_path / "d", cache_dir, "data.hidden_states=offline",
+                           f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", "dflash.medusa_run=null"))
+
+
+def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):
+    """accelerate launch with 2 processes: each writes its shards; the cache equals a 1-process build."""
+    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    common = ["+experiment=smoke", "data.cache_shard_rows=8", "data.hidden_states_dtype=float32",
+              f"cache_dir={cache_dir}"]
+    stdout = {}
+    for procs, name in ((["--multi_gpu", "--num_processes", "2"], "two"), (["--num_processes", "1"], "one")):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *procs, "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / "cache_hidden_states.py"),
+               *common, f"output_dir={tmp_path / name}", f"data.hidden_states_dir={tmp_path / name / 'hs'}"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        stdout[name] = proc.stdout
+    assert "[rank 0] wrote 4 shards" in stdout["two"] and "[rank 1] wrote 3 shards" in stdout["two"]
+    one = json.loads((tmp_path / "one" / "hs" / "manifest.json").read_text())
+    two = json.loads((tmp_path / "two" / "hs" / "manifest.json").read_text())
+    assert one["spec"] == two["spec"] and len(two["shards"]) == 7
+    assert [s["rows"] for s in one["shards"]] == [s["rows"] for s in two["shards"]]
+    for s in two["shards"]:
+        a, b = load_file(str(tmp_path / "one" / "hs" / s["file"])), load_file(str(tmp_path / "two" / "hs" / s["file"]))
+        assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
