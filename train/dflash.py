@@ -29,7 +29,7 @@ from train.config import DFlashRunConfig, register_configs
 from train.evaluation import format_table, hardware, log_eval, write_report
 from train.finish import evaluate_methods, medusa_peers, medusa_tree, prompt_lookup_peer
 from train.job import close_job, job_rows, open_job
-from train.runtime import print0
+from train.runtime import distributed, print0
 from train.spine import fit
 from train.strategies import DFlashTraining
 from train.validation import validate_dflash
@@ -145,7 +145,8 @@ def run(cfg: DictConfig) -> dict:
                                                          if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
         export = export_dflash(drafter.eval(), job.out / "export" / "dflash")
         report = {"config": json.loads(json.dumps(asdict(conf), default=str)), "target": job.target_path,
-                  "hardware": hardware(), "dtype": conf.model.dtype, "validation": val,
+                  "hardware": hardware(), "distributed": distributed(accelerator), "dtype": conf.model.dtype,
+                  "validation": val,
                   "drafter": {"block_size": d.block_size, "num_layers": d.num_layers,
                               "target_layer_ids": list(drafter.target_layer_ids),
                               "mask_token_id": drafter.mask_token_id, "loss_decay": decay},

@@ -12,6 +12,7 @@ from models.export.medusa import export_tgi_medusa, export_vllm_medusa, save_hea
 from models.speculative import MedusaDrafter, Sampling, prompt_lookup_decode, speculative_decode
 from models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
 from train.evaluation import eval_prompts, evaluate_set, format_table, hardware, log_eval, write_report
+from train.runtime import distributed
 from train.validation import validate
 
 
@@ -128,7 +129,8 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
     save_heads(heads, out / "medusa_heads", {"target": identity, "base_model": base_model})
 
     report = {"config": json.loads(json.dumps(asdict(conf), default=str)), "target": target_path,
-              "base_model": base_model, "hardware": hardware(), "dtype": conf.model.dtype,
+              "base_model": base_model, "hardware": hardware(), "distributed": distributed(accelerator),
+              "dtype": conf.model.dtype,
               "validation": val, "head_rank_accuracy": rank_accuracy, **extra,
               "notes": "acceptance_length counts the bonus token; alpha is conditional on earlier positions"}
     if conf.eval.enabled:
