@@ -143,3 +143,28 @@ def test_sharding_engines_are_refused_with_the_reason(tmp_path, cache_dir):
            "+experiment=smoke", f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "draftheads does not run under FSDP yet" in proc.stderr
+
+
+def test_a_rank_that_dies_ends_every_rank_promptly(tmp_path, cache_dir):
+    """One of two DDP ranks is killed mid-training: the launcher and the other rank end within a minute with
+    an error, instead of the survivor waiting in a collective until the timeout."""
+    import psutil
+    from tests.test_medusa_run import SMOKE_STAGES
+    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / "medusa.py"),
+           "+experiment=smoke", *SMOKE_STAGES, "stage1.epochs=200", "trainer.checkpoint_every=2", f"output_dir={out}"]
+    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not list(out.glob("checkpoints/stage1-*/meta.json")):  # training is under way on both ranks
+        assert launcher.poll() is None, launcher.stderr.read()[-2000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
+    workers = [p for p in psutil.Process(launcher.pid).children(recursive=True) if "medusa.py" in " ".join(p.cmdline())]
+    assert len(workers) == 2
+    workers[1].kill()
+    start = time.time()
+    code = launcher.wait(timeout=120)
+    assert code != 0 and time.time() - start < 60
+    assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
