@@ -79,6 +79,10 @@ def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport,
         where = f"{c.source} row {c.row}"
         if getattr(c, "tokens", None) is not None:
             ids, mask = list(c.tokens[0]), list(c.tokens[1])
+            if max(ids) >= len(tokenizer):
+                report.skip("bad_tokens", f"{where}: field 'input_ids': id {max(ids)} is outside the tokenizer's "
+                                          f"{len(tokenizer)} tokens (tokenised for another model?)")
+                continue
         else:
             try:
                 ids, mask = chat_tokens(tokenizer, c.messages, train_on, frozenset(getattr(c, "unfinished", ())))

@@ -253,8 +253,8 @@ def test_rows_mask_exactly_the_assistant_tokens(target):
 
 
 def tokenized(n: int, trainable_from: int, row: int) -> Chat:
-    """A pre-tokenised chat: ids 1000.., trainable from ``trainable_from`` on."""
-    return Chat("tok", row, tokens=(tuple(range(1000, 1000 + n)), tuple(i >= trainable_from for i in range(n))))
+    """A pre-tokenised chat: ids 100.., trainable from ``trainable_from`` on."""
+    return Chat("tok", row, tokens=(tuple(range(100, 100 + n)), tuple(i >= trainable_from for i in range(n))))
 
 
 @pytest.mark.parametrize("overlong", ["truncate", "drop"])
@@ -268,10 +268,19 @@ def test_rows_over_long_are_truncated_or_dropped_and_counted(target, overlong):
     rows = rows_from_chats(tokenizer, chats, 8, report, overlong=overlong)
     kept = [0, 1, 3] if overlong == "truncate" else [3]
     assert [r["row"] for r in rows] == kept and all(len(r["input_ids"]) <= 8 for r in rows)
-    assert rows[0]["input_ids"].tolist() == list(range(1000, 1008)) or overlong == "drop"
+    assert rows[0]["input_ids"].tolist() == list(range(100, 108)) or overlong == "drop"
     assert report.truncated == (2 if overlong == "truncate" else 0)
     assert report.skipped == {"too_long": 4 - len(kept)}
     assert report.trainable_tokens == sum(int(r["loss_mask"].sum()) for r in rows)
+
+
+def test_pretokenised_rows_of_another_vocabulary_are_skipped(target):
+    _, tokenizer, _ = target
+    report = DataReport()
+    big = Chat("tok", 1, tokens=((5, len(tokenizer), 7), (False, True, True)))
+    rows = rows_from_chats(tokenizer, [tokenized(4, 1, 0), big], 16, report)
+    assert [r["row"] for r in rows] == [0] and report.skipped == {"bad_tokens": 1}
+    assert "outside the tokenizer" in report.examples["bad_tokens"]
 
 
 @pytest.mark.parametrize("chats", [[], [tokenized(20, 19, 0)], [tokenized(4, 9, 0), tokenized(3, 9, 1)]],

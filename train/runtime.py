@@ -6,8 +6,8 @@ Scripts never read RANK or WORLD_SIZE themselves; ``accelerate launch`` sets the
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -28,13 +28,13 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     if cfg.tracker.name not in TRACKERS:
         raise ValueError(f"tracker.name={cfg.tracker.name!r} is not one of {sorted(TRACKERS)}")
     log_with = TRACKERS[cfg.tracker.name]
-    # Without any accelerator, `accelerate launch --multi_gpu` would leave every process believing it is
-    # alone (DistributedType.NO); cpu=True makes it real DDP over gloo instead.
     refuse_sharding(*(e for e, env in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
                       if os.environ.get(env, "false").lower() == "true"))
     # Rank 0 works alone while the others wait at a barrier (regenerating an uncached dataset, the final
     # validation, export and evaluation): the collective timeout must outlast that, not torch's default.
     timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.trainer.collective_timeout_min))
+    # Without any accelerator, `accelerate launch --multi_gpu` would leave every process believing it is
+    # alone (DistributedType.NO); cpu=True makes it real DDP over gloo instead.
     accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None, log_with=log_with,
                               kwargs_handlers=[timeout], mixed_precision=cfg.trainer.mixed_precision,
                               gradient_accumulation_steps=cfg.trainer.grad_accum,
