@@ -90,11 +90,13 @@ def make_backend(data_cfg, target, tokenizer):
 
 
 def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path,
-                        show_progress: bool = True) -> tuple[list[dict], list[dict], DataReport]:
+                        show_progress: bool = True, rank: int = 0, world_size: int = 1,
+                        barrier=lambda: None) -> tuple[list[dict], list[dict], DataReport]:
     """Training rows and held-out validation rows, answered by the target itself (``data.regenerate``) or
     as the dataset has them, and the data report.
 
-    Regenerated conversations are cached under ``<cache_dir>/regenerated/<key>.jsonl``, ``key`` hashing the
+    Called on every rank (``barrier`` a collective wait), the ranks share the regeneration. Regenerated
+    conversations are cached under ``<cache_dir>/regenerated/<key>.jsonl``, ``key`` hashing the
     target identity, its chat template, the conversations, the generation settings and the backend; a second run
     reads them back.
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, or no trainable token left.
@@ -109,7 +111,8 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
         backend = make_backend(data_cfg, target, tokenizer)
         key = cache_key(model_id, messages, data_cfg.generation, backend.name, tokenizer.chat_template)
         answered = regenerate(backend, messages, data_cfg.generation.batch_size,
-                              Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress)
+                              Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress,
+                              rank, world_size, barrier)
         report.failed = sum(r.error is not None for r in answered)
         by_key = {(r.source, r.row): r for r in answered if r.error is None}
         chats = [c if c.tokens is not None else by_key.get((c.source, c.row)) for c in chats]

@@ -16,7 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from tqdm.auto import tqdm
@@ -171,40 +171,72 @@ def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, b
 
 
 def regenerate(backend: Backend, chats: list[Chat], batch_size: int, cache_file: str | Path,
-               show_progress: bool = True) -> list[Regenerated]:
+               show_progress: bool = True, rank: int = 0, world_size: int = 1,
+               barrier: Callable[[], None] = lambda: None) -> list[Regenerated]:
     """Answer every conversation with the backend in chunks of ``batch_size``, reusing and extending
     ``cache_file`` (JSONL, one :class:`Regenerated` per line).
 
     Lines are appended per chunk to ``<cache_file>.partial``, so a killed run resumes from its last chunk; the
     file is renamed to ``cache_file`` when every conversation succeeded. Returns results in the order of
     ``chats``, failed ones (``error`` set) included; those are retried by the next run.
+
+    With ``world_size`` > 1 (call it on every rank, ``barrier`` being a collective wait), each rank answers its
+    share of what is left into ``<cache_file>.partial.rank<r>`` (resuming from every rank's partial file, so
+    the number of ranks may change between runs), then rank 0 merges them; every rank returns the same results.
     """
     cache_file = Path(cache_file)
     if cache_file.exists():
         return _read(cache_file)
-    partial = cache_file.with_name(cache_file.name + ".partial")
-    done = {(r.source, r.row): r for r in _read(partial) if r.error is None} if partial.exists() else {}
-    if partial.exists():  # drop a line cut by a kill, else the next line appended to it is unreadable too
-        _write(partial, list(done.values()))
+    mine = cache_file.with_name(cache_file.name + ".partial" + (f".rank{rank}" if world_size > 1 else ""))
+    if mine.exists():  # drop a line cut by a kill, else the next line appended to it is unreadable too
+        _write(mine, [r for r in _read(mine) if r.error is None])
+    barrier()  # every partial file is clean before any rank reads them
+    done = _merge(cache_file)
+    barrier()  # every rank has the same view of what is done before any rank appends
     todo = sorted((c for c in chats if (c.source, c.row) not in done),
-                  key=lambda c: sum(len(m["content"]) for m in c.messages))
+                  key=lambda c: sum(len(m["content"]) for m in c.messages))[rank::world_size]
     torch.manual_seed(getattr(getattr(backend, "settings", None), "seed", 0))
     cache_file.parent.mkdir(parents=True, exist_ok=True)
-    bar = tqdm(total=len(chats), initial=len(chats) - len(todo), desc=f"regenerating answers ({backend.name})",
-               unit="conversation", disable=not show_progress)
-    with open(partial, "a") as f:
+    bar = tqdm(total=len(todo), desc=f"regenerating answers ({backend.name})", unit="conversation",
+               disable=not show_progress)
+    with open(mine, "a") as f:
         for i in range(0, len(todo), batch_size):
             for r in answer_turns(backend, todo[i:i + batch_size]):
-                done[(r.source, r.row)] = r
                 f.write(json.dumps(asdict(r)) + "\n")
             f.flush()
             bar.update(len(todo[i:i + batch_size]))
     bar.close()
-    ordered = [done[(c.source, c.row)] for c in chats]
-    if not any(r.error for r in ordered):
-        _write(cache_file, ordered)
-        partial.unlink(missing_ok=True)
-    return ordered
+    if world_size > 1:
+        print(f"[rank {rank}] answered {len(todo)} conversations", flush=True)
+    barrier()
+    if rank == 0:
+        merged = _merge(cache_file, keep_failed=True)
+        ordered = [merged[(c.source, c.row)] for c in chats]
+        if not any(r.error for r in ordered):
+            _write(cache_file, ordered)
+            for p in _partials(cache_file):
+                p.unlink()
+    barrier()
+    if cache_file.exists():
+        return _read(cache_file)
+    merged = _merge(cache_file, keep_failed=True)
+    return [merged[(c.source, c.row)] for c in chats]
+
+
+def _partials(cache_file: Path) -> list[Path]:
+    """Every rank's partial file (not the temporary files of an atomic rewrite)."""
+    return sorted(p for p in cache_file.parent.glob(cache_file.name + ".partial*") if ".tmp" not in p.name)
+
+
+def _merge(cache_file: Path, keep_failed: bool = False) -> dict[tuple[str, int], Regenerated]:
+    """Every rank's partial results by (source, row); a success wins over a failure of the same row."""
+    merged: dict[tuple[str, int], Regenerated] = {}
+    for path in _partials(cache_file):
+        for r in _read(path):
+            key = (r.source, r.row)
+            if (r.error is None or keep_failed) and (key not in merged or merged[key].error is not None):
+                merged[key] = r
+    return merged
 
 
 def _write(path: Path, results: list[Regenerated]) -> None:

@@ -216,3 +216,28 @@ def test_chat_template_option_takes_jinja_text_or_a_file(tmp_path, cache_dir):
         assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<user>hi"
     with pytest.raises(FileNotFoundError, match="model.chat_template='/no/such/template' is neither"):
         load_tokenizer(TargetSpec(name_or_path=TINY, chat_template="/no/such/template"), cache_dir)
+
+
+def test_two_ranks_share_the_regeneration_and_match_one_process(tmp_path):
+    """accelerate launch with 2 processes: each rank answers its share, rank 0 merges; the cached answers
+    equal those of a 1-process run with its own cache (greedy, so the same)."""
+    import os
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    files, logs = {}, {}
+    for procs, name in ((["--multi_gpu", "--num_processes", "2"], "two"), (["--num_processes", "1"], "one")):
+        cache = tmp_path / f"cache_{name}"
+        env = {**os.environ, "DRAFTHEADS_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *procs, "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", str(root / "train" / "medusa.py"),
+               "+experiment=smoke", "stage1.max_steps=1", "stage2.enabled=false", "eval.enabled=false",
+               "export=false", f"output_dir={tmp_path / name}"]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (files[name],) = (cache / "regenerated").glob("*.jsonl")
+        logs[name] = proc.stdout
+        assert not list((cache / "regenerated").glob("*.partial*"))  # merged and cleaned up
+    assert "[rank 0] answered 28 conversations" in logs["two"] and "[rank 1] answered 28 conversations" in logs["two"]
+    assert files["two"].name == files["one"].name  # the same cache key
+    assert files["two"].read_text() == files["one"].read_text()

@@ -181,9 +181,9 @@ class TrainerConfig:
     hidden_states_batch_size: int = 16
     """Rows per target forward when caching hidden states."""
     collective_timeout_min: int = 180
-    """How long ranks wait at a barrier while rank 0 works alone (regenerating an uncached dataset, final
-    evaluation): regenerate big datasets beforehand with train/regenerate.py. A rank that fails still ends the
-    others at once (accelerate launch / torchrun stops them)."""
+    """How long ranks wait at a barrier: for the slowest rank's share of the regeneration, and for rank 0's
+    final validation, export and evaluation. A rank that fails still ends the others at once (accelerate
+    launch / torchrun stops them)."""
     nonfinite: str = "stop"
     """A NaN/inf loss on any rank: stop (error naming stage, step, batch and rows) or skip the batch (counted
     as ``<stage>/skipped_nonfinite``; needs grad_accum 1). Checked every micro-batch (one scalar sync)."""

@@ -76,13 +76,15 @@ def check_writable(out: Path) -> None:
 
 def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
              attach: bool = True) -> tuple[list[dict], list[dict], DataReport]:
-    """Training and validation rows answered by the target (cached), with ``attach`` each with its cached target
-    states: ``hidden_states`` (last layer) or, with ``layer_ids``, ``target_features``. Every process attaches
+    """Training and validation rows answered by the target (cached; the ranks share the regeneration), with
+    ``attach`` each with its cached target states: ``hidden_states`` (last layer) or, with ``layer_ids``, ``target_features``. Every process attaches
     states to its own training share; the main process also to the validation rows."""
     accelerator, conf = job.accelerator, job.conf
-    with accelerator.main_process_first():  # rank 0 regenerates; the others read its cache
-        train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
-                                                           conf.cache_dir, accelerator.is_main_process)
+    # every rank reads the data and answers its share of what is not regenerated yet
+    train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
+                                                       conf.cache_dir, accelerator.is_main_process,
+                                                       accelerator.process_index, accelerator.num_processes,
+                                                       accelerator.wait_for_everyone)
     report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed)
     print0(accelerator, f"data: {report.describe()}")
     for reason, example in report.examples.items():
