@@ -1,0 +1,61 @@
+"""The parity command's own arithmetic (the vLLM runs themselves need vLLM's environment: README, serving):
+our counters are vLLM's, the server's Prometheus counters are parsed per position, and parity means identical
+outputs and tau within the tolerance."""
+
+import torch
+
+from models.speculative import speculative_decode
+from tests.helpers import StubDrafter
+from train.vllm_parity import TOLERANCE, acceptance, compare, our_side
+from train.vllm_runner import parse_prometheus
+
+SCRAPE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{engine="0",model_name="draft"} 247.0
+vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="draft"} 988.0
+vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="draft"} 131.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="draft",position="1"} 30.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="draft",position="0"} 74.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="draft",position="3"} 9.0
+vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="draft",position="2"} 18.0
+vllm:spec_decode_num_accepted_tokens_created{engine="0",model_name="draft"} 1.7e+09
+vllm:num_requests_running{engine="0",model_name="draft"} 0.0
+"""
+
+
+def test_prometheus_counters_are_read_per_position():
+    assert parse_prometheus(SCRAPE) == {"drafts": 247.0, "draft_tokens": 988.0, "accepted": 131.0,
+                                        "accepted_per_pos": [74.0, 30.0, 18.0, 9.0]}
+    tau, per_position = acceptance(parse_prometheus(SCRAPE))
+    assert abs(tau - (1 + 131 / 247)) < 1e-12 and per_position[0] == 74 / 247
+
+
+class _Oracle(StubDrafter):
+    """Drafts the token the target just chose, twice, then something else: the tiny random target repeats
+    tokens, so some drafts are accepted and some rejected."""
+    gamma = 3
+
+    def __init__(self, target):
+        self.lm_head = target.get_output_embeddings()
+
+    def draft_logits(self, hidden_state, last_token, features):
+        logits = self.lm_head(hidden_state)
+        return torch.stack([logits, logits, -logits])
+
+
+def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(tiny):
+    model, tokenizer = tiny
+    prompts = [[1, 20, 30, 40], [1, 50, 60]]
+    drafter = _Oracle(model)
+    ours = our_side(model, tokenizer, drafter, prompts, 12)
+    steps = [n for ids in prompts for n in
+             speculative_decode(model, drafter, torch.tensor(ids), 12, tokenizer.eos_token_id).accepted_per_step]
+    assert ours["metrics"] == {"drafts": len(steps), "accepted": sum(steps),
+                               "accepted_per_pos": [sum(n > i for n in steps) for i in range(3)]}
+    assert ours["metrics"]["accepted"] > 0
+    same = compare("s", ours, {"outputs": ours["outputs"], "metrics": dict(ours["metrics"])})
+    assert same["parity"] and same["identical"] == 1.0 and same["tau_ours"] == same["tau_vllm"]
+    one_more = dict(ours["metrics"], accepted=ours["metrics"]["accepted"] + TOLERANCE * 2 * ours["metrics"]["drafts"])
+    assert not compare("s", ours, {"outputs": ours["outputs"], "metrics": one_more})["parity"]
+    changed = [o[:-1] + [o[-1] + 1] for o in ours["outputs"]]
+    assert not compare("s", ours, {"outputs": changed, "metrics": ours["metrics"]})["parity"]
