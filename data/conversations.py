@@ -15,11 +15,12 @@ a short ``reason`` the data report counts.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from data.sources import PromptSource, hub_rows, load_prompts
+from data.batching import DataReport
+from data.sources import SOURCES, Prompt, PromptSource, builtin_prompts, hub_rows
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -50,19 +51,6 @@ class Chat:
     @property
     def where(self) -> str:
         return f"{self.source} row {self.row}"
-
-
-@dataclass
-class RowAccount:
-    """What happened to input rows before tokenisation: how many were read and, per reason, how many were
-    skipped, with the first error of each reason kept for the report."""
-    rows_in: int = 0
-    skipped: dict[str, int] = field(default_factory=dict)
-    examples: dict[str, str] = field(default_factory=dict)
-
-    def skip(self, error: BadRow) -> None:
-        self.skipped[error.reason] = self.skipped.get(error.reason, 0) + 1
-        self.examples.setdefault(error.reason, str(error))
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[str, int, object]]:
@@ -97,13 +85,16 @@ def detect_format(row: dict) -> str:
     return "prompt"
 
 
-def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto") -> Chat:
-    """Normalise one raw row. Raises :class:`BadRow` (reasons: not_an_object, missing_field, missing_role,
-    unknown_role, non_string_content, empty_conversation, system_not_first, no_user_turn, bad_tokens)."""
+def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto", field: str | None = None) -> Chat:
+    """Normalise one raw row; ``field`` names the column holding the prompt or the turns (default: by format).
+    Raises :class:`BadRow` (reasons: not_an_object, missing_field, missing_role, unknown_role,
+    non_string_content, empty_conversation, system_not_first, no_user_turn, bad_tokens)."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
         raise BadRow(where, "<row>", "not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    if field is not None:
+        return Chat(source, index, messages=tuple(normalise(_field_turns(row, where, field), where)))
     fmt = detect_format(row) if fmt == "auto" else fmt
     if fmt not in FORMATS:
         raise ValueError(f"data.format={fmt!r} is not one of {FORMATS}")
@@ -130,16 +121,33 @@ def _tokens(row: dict, where: str) -> tuple[tuple[int, ...], tuple[bool, ...]]:
 def _prompt_text(row: dict, where: str) -> str:
     for name in ("prompt", "question", "instruction", "turns"):
         if name in row:
-            value = row[name]
-            if isinstance(value, list):  # MT-Bench turns: the first one
-                name, value = f"{name}[0]", value[0] if value else None
-            if not isinstance(value, str):
-                raise BadRow(where, name, "non_string_content", f"must be a string, got {type(value).__name__}")
+            value = _prompt_value(row[name], name, where)
             if name == "instruction" and isinstance(row.get("input"), str) and row["input"].strip():
                 value = f"{value}\n\n{row['input']}"  # Alpaca: instruction + optional input
             return value
     raise BadRow(where, "prompt|question|instruction|turns|messages|conversations", "missing_field",
                  f"no conversation or prompt field (fields: {sorted(row)})")
+
+
+def _prompt_value(value: object, name: str, where: str) -> str:
+    """A prompt column's text: a string, or the first of a list of strings (MT-Bench turns)."""
+    if isinstance(value, list):
+        name, value = f"{name}[0]", value[0] if value else None
+    if not isinstance(value, str):
+        raise BadRow(where, name, "non_string_content", f"must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise BadRow(where, name, "empty_conversation", "must be a non-empty string")
+    return value
+
+
+def _field_turns(row: dict, where: str, name: str) -> list[dict]:
+    """The turns held by column ``name``: a chat (OpenAI role/content or ShareGPT from/value) or a prompt."""
+    if name not in row:
+        raise BadRow(where, name, "missing_field", f"no such field (fields: {sorted(row)})")
+    value = row[name]
+    if isinstance(value, list) and value and all(isinstance(t, dict) for t in value):
+        return _turns(row, where, name, *(("role", "content") if "role" in value[0] else ("from", "value")))
+    return [{"role": "user", "content": _prompt_value(value, name, where)}]
 
 
 def _turns(row: dict, where: str, key: str, role_key: str, content_key: str) -> list[dict]:
@@ -185,23 +193,23 @@ def normalise(turns: list[dict], where: str) -> list[dict]:
 
 def raw_rows(src: PromptSource, part: str, limit: int) -> Iterator[tuple[str, str, int, object]]:
     """``(where, source name, row, raw value or BadRow)`` of a source, at most ``limit`` rows (bad ones count):
-    chitchat and HumanEval prompts as single prompts, JSONL line by line, anything else through datasets."""
+    chitchat and HumanEval prompts (``part``: their train, val or eval split) as single prompts, JSONL line by
+    line, a hub dataset through datasets. Raises ``ValueError`` for an unknown source or one without a path."""
     if src.source in ("chitchat", "humaneval"):
-        for p in load_prompts(src, part, limit):
+        for p in builtin_prompts(src.source, part, limit):
             yield f"{p.source} row {p.row}", p.source, p.row, {"prompt": p.text}
         return
+    if src.source not in SOURCES:
+        raise ValueError(f"unknown prompt source {src.source!r}; valid: {', '.join(SOURCES)}")
     if not src.path:
-        raise ValueError(f"data.source={src.source!r} needs data.path")
+        raise ValueError(f"source {src.source!r} needs a path")
     if src.source == "jsonl":
         if not Path(src.path).is_file():
             raise FileNotFoundError(f"data.path={src.path}: no such file")
         rows = ((where, str(src.path), row, value) for where, row, value in read_jsonl(src.path))
-    elif src.source == "hub":
+    else:
         name, ds = hub_rows(src.path, src.subset, src.split, src.data_files)
         rows = ((f"{name} row {i}", name, i, row) for i, row in enumerate(ds))
-    else:
-        load_prompts(src, part, 0)  # raises the unknown-source error
-        return
     for n, item in enumerate(rows):
         if n == limit:
             return
@@ -209,20 +217,28 @@ def raw_rows(src: PromptSource, part: str, limit: int) -> Iterator[tuple[str, st
 
 
 def load_chats(src: PromptSource, part: str, limit: int, fmt: str = "auto", strict: bool = False,
-               account: RowAccount | None = None) -> list[Chat]:
+               report: DataReport | None = None) -> list[Chat]:
     """Up to ``limit`` rows of ``src`` as normalised conversations.
 
-    Lenient (default): a bad row is skipped and counted in ``account`` by reason. ``strict``: the first bad row
+    Every row read is counted in ``report.rows_in``. Lenient (default): a bad row is skipped and counted in
+    ``report`` by reason. ``strict``: the first bad row
     raises its :class:`BadRow` (file or dataset, row, field).
     """
-    account = account if account is not None else RowAccount()
+    report = report if report is not None else DataReport()
     chats = []
     for where, source, row, raw in raw_rows(src, part, limit):
-        account.rows_in += 1
+        report.rows_in += 1
         try:
-            chats.append(to_chat(raw, where, source, row, fmt))
+            chats.append(to_chat(raw, where, source, row, fmt, src.field))
         except BadRow as e:
             if strict:
                 raise
-            account.skip(e)
+            report.skip(e.reason, str(e))
     return chats
+
+
+def first_user_prompts(src: PromptSource, part: str, limit: int) -> list[Prompt]:
+    """Up to ``limit`` prompts of ``src`` (an eval set): each conversation's first user turn, read strictly
+    (the first bad row raises its :class:`BadRow`)."""
+    return [Prompt(c.source, c.row, next(m["content"] for m in c.messages if m["role"] == "user"))
+            for c in load_chats(src, part, limit, strict=True)]

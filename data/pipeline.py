@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from data.batching import DataReport, rows_from_chats
-from data.conversations import RowAccount, load_chats
+from data.conversations import load_chats
 from data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate
 from data.templates import TemplateRejected, apply_system_policy, check_template, render
 
@@ -16,12 +16,7 @@ def read_chats(data_cfg, tokenizer, report: DataReport, part: str, limit: int, s
     template: read leniently (or strictly, ``data.strict``), system prompts handled by ``data.system``, and
     checked against the template as they will be rendered; rejected rows are counted in ``report``."""
     check_template(tokenizer)
-    account = RowAccount()
-    chats = load_chats(src or data_cfg, part, limit, data_cfg.format, data_cfg.strict, account)
-    report.rows_in += account.rows_in
-    for reason, n in account.skipped.items():
-        report.skipped[reason] = report.skipped.get(reason, 0) + n
-        report.examples.setdefault(reason, account.examples[reason])
+    chats = load_chats(src or data_cfg, part, limit, data_cfg.format, data_cfg.strict, report)
     return _fit_template(chats, tokenizer, data_cfg, report)
 
 

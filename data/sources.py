@@ -1,5 +1,6 @@
-"""Prompt sources: the offline chitchat and HumanEval sets, any local JSONL file, and any dataset that
-``datasets.load_dataset`` reads (hub datasets such as MT-Bench or GSM8K, local folders, parquet/CSV files).
+"""Prompt sources: the offline chitchat and HumanEval sets, and the source config for them, any local JSONL
+file, and any dataset that ``datasets.load_dataset`` reads (hub datasets such as MT-Bench or GSM8K, local
+folders, parquet/CSV files); :mod:`data.conversations` reads the rows of every source.
 
 Every prompt keeps its provenance (source name, row) so later errors can name it.
 """
@@ -95,56 +96,6 @@ def humaneval_prompts(split: str, limit: int) -> list[Prompt]:
     return [Prompt("humaneval", i, HUMANEVAL_INSTRUCTION + r["prompt"]) for i, r in rows[:limit]]
 
 
-def jsonl_prompts(path: str | Path, limit: int, field: str | None = None) -> list[Prompt]:
-    """Prompts from a JSONL file: each line's ``field``, by default the first of :data:`PROMPT_FIELDS` present
-    (``prompt`` str, MT-Bench ``turns``, OpenAI ``messages``: the first user message is used...).
-
-    Raises ``ValueError`` naming the file, the 1-based line and the field for a malformed line.
-    """
-    prompts = []
-    if limit < 1:
-        return prompts
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no}: invalid JSON ({e})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object with a prompt field, "
-                                 f"got {type(row).__name__}")
-            text, name = _prompt_field(row, field)
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{line_no}: field {name!r} must be a non-empty string, got {text!r:.80}")
-            prompts.append(Prompt(str(path), line_no - 1, text))
-            if len(prompts) == limit:
-                break
-    return prompts
-
-
-PROMPT_FIELDS = ("prompt", "turns", "question", "instruction", "messages", "conversations")
-"""Fields a prompt is read from, in this order, when a source names none: a string, or a list whose first user
-turn is used (MT-Bench ``turns``/``prompt``, OpenAI ``messages`` role/content, ShareGPT ``conversations``
-from/value)."""
-
-
-def _prompt_field(row: dict, field: str | None = None) -> tuple[object, str]:
-    """``(value, field name)`` of a row's prompt: ``field`` when given, else the first of PROMPT_FIELDS present."""
-    names = [field] if field else [f for f in PROMPT_FIELDS if f in row] or ["|".join(PROMPT_FIELDS)]
-    name = names[0]
-    value = row.get(name)
-    if isinstance(value, list) and value:
-        first = value[0]
-        if isinstance(first, dict):  # a chat: the first user turn
-            users = [m.get("content", m.get("value")) for m in value if isinstance(m, dict)
-                     and m.get("role", m.get("from")) in ("user", "human")]
-            return (users[0] if users else None), f"{name}[user].content"
-        return first, f"{name}[0]"
-    return value, name
-
-
 def hub_rows(path: str, subset: str | None = None, split: str = "train", data_files: str | None = None):
     """``(name for errors, dataset)`` from ``datasets.load_dataset``: a hub id, a local dataset folder, or a
     local ``.json/.jsonl/.parquet/.csv`` file (its builder chosen by extension)."""
@@ -155,29 +106,6 @@ def hub_rows(path: str, subset: str | None = None, split: str = "train", data_fi
         return str(path), datasets.load_dataset(builder, data_files=str(path), split="train")
     return (f"{path}{'/' + subset if subset else ''}[{split}]",
             datasets.load_dataset(path, subset, split=split, data_files=data_files))
-
-
-def hub_prompts(path: str, limit: int, subset: str | None = None, split: str = "train",
-                field: str | None = None, data_files: str | None = None) -> list[Prompt]:
-    """Prompts from ``datasets.load_dataset``: a hub id (``HuggingFaceH4/mt_bench_prompts``, ``openai/gsm8k``
-    with ``subset`` main), a local dataset folder, or a local ``.json/.jsonl/.parquet/.csv`` file.
-
-    ``field`` names the prompt column; by default the first of :data:`PROMPT_FIELDS` present is used.
-    Raises ``ValueError`` naming the dataset, split, row and field for a row without a usable prompt.
-    """
-    if limit < 1:
-        return []
-    where, ds = hub_rows(path, subset, split, data_files)
-    prompts = []
-    for i, row in enumerate(ds):
-        text, name = _prompt_field(row, field)
-        if not isinstance(text, str) or not text.strip():
-            raise ValueError(f"{where}: row {i}: field {name!r} must be a non-empty string, got {text!r:.80} "
-                             f"(columns: {sorted(row)}; set the source's field)")
-        prompts.append(Prompt(where, i, text))
-        if len(prompts) == limit:
-            break
-    return prompts
 
 
 SOURCES = ("chitchat", "humaneval", "jsonl", "hub")
@@ -198,24 +126,11 @@ class PromptSource:
     data_files: str | None = None
     """hub: the file inside the dataset repository, when it has several (ShareGPT's json files)."""
     field: str | None = None
-    """jsonl/hub: the prompt column; default: the first of prompt, turns, question, instruction, messages,
-    conversations present."""
+    """jsonl/hub: the column holding the prompt (a string, or a list whose first item is used) or the chat
+    (role/content or from/value turns); default: told by the row's format."""
 
 
-def load_prompts(src: PromptSource, part: str, limit: int) -> list[Prompt]:
-    """Up to ``limit`` prompts of ``src``. ``part`` (train, val or eval) picks chitchat's and HumanEval's
-    disjoint splits; a jsonl file or hub split is one list, and callers hold out its end.
-
-    Raises ``ValueError`` for an unknown source, listing the valid ones, or a jsonl/hub source without a path.
-    """
-    if src.source == "chitchat":
-        return chitchat_prompts(part, limit)
-    if src.source == "humaneval":
-        return humaneval_prompts(part, limit)
-    if src.source in ("jsonl", "hub") and not src.path:
-        raise ValueError(f"source {src.source!r} needs a path")
-    if src.source == "jsonl":
-        return jsonl_prompts(src.path, limit, src.field)
-    if src.source == "hub":
-        return hub_prompts(src.path, limit, src.subset, src.split, src.field, src.data_files)
-    raise ValueError(f"unknown prompt source {src.source!r}; valid: {', '.join(SOURCES)}")
+def builtin_prompts(source: str, part: str, limit: int) -> list[Prompt]:
+    """Up to ``limit`` prompts of the offline sets, ``part`` (train, val or eval) picking their disjoint splits.
+    Any source's rows, these included, are read by :func:`data.conversations.load_chats`."""
+    return chitchat_prompts(part, limit) if source == "chitchat" else humaneval_prompts(part, limit)

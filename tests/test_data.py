@@ -15,12 +15,11 @@ from transformers import AutoTokenizer
 
 import data.regenerate as regen_mod
 from data.batching import DataReport, collate, epoch_batches, rank_shard, rows_from_chats
-from data.conversations import Chat, load_chats
+from data.conversations import Chat, first_user_prompts, load_chats
 from data.hidden_states import attach_hidden_states
 from data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
 from data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
-                          chitchat_prompts, hub_prompts, humaneval_prompts, jsonl_prompts, load_prompts,
-                          PromptSource)
+                          PromptSource, chitchat_prompts, humaneval_prompts)
 from models.target import TINY, TargetSpec, load_target
 
 ALL = 10**9  # a limit no source reaches
@@ -137,18 +136,18 @@ def test_humaneval_prompts_come_from_the_package_with_a_held_out_eval_split():
         assert p.text.startswith(HUMANEVAL_INSTRUCTION)
         assert "def " in p.text
     assert humaneval_prompts("eval", 3) == evaluation[:3]
-    assert load_prompts(PromptSource("humaneval"), "train", 2) == training[:2]
+    assert first_user_prompts(PromptSource("humaneval"), "train", 2) == training[:2]
 
 
-def test_load_prompts_rejects_unknown_source_and_jsonl_without_path():
+def test_sources_reject_an_unknown_name_and_jsonl_or_hub_without_path():
     with pytest.raises(ValueError, match="chitchat, humaneval, jsonl, hub"):
-        load_prompts(PromptSource("alpaca"), "train", 5)
+        first_user_prompts(PromptSource("alpaca"), "train", 5)
     for source in ("jsonl", "hub"):
         with pytest.raises(ValueError, match=f"source '{source}' needs a path"):
-            load_prompts(PromptSource(source), "train", 5)
+            first_user_prompts(PromptSource(source), "train", 5)
 
 
-def test_jsonl_prompts_accepts_prompt_turns_and_messages(tmp_path):
+def test_eval_prompts_from_jsonl_accept_prompt_turns_and_messages(tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [{"prompt": "Plain prompt"},
              {"turns": ["First MT-Bench turn", "second turn"], "category": "writing"},
@@ -156,11 +155,10 @@ def test_jsonl_prompts_accepts_prompt_turns_and_messages(tmp_path):
              {"messages": [{"role": "system", "content": "be nice"}, {"role": "user", "content": "User message"},
                            {"role": "assistant", "content": "hi"}, {"role": "user", "content": "later"}]}]
     path.write_text("".join(("" if x is None else json.dumps(x)) + "\n" for x in lines))
-    got = jsonl_prompts(path, ALL)
+    got = first_user_prompts(PromptSource("jsonl", str(path)), "eval", ALL)
     assert got == [Prompt(str(path), 0, "Plain prompt"), Prompt(str(path), 1, "First MT-Bench turn"),
                    Prompt(str(path), 3, "User message")]
-    assert jsonl_prompts(path, 2) == got[:2]
-    assert load_prompts(PromptSource("jsonl", str(path)), "train", ALL) == got
+    assert first_user_prompts(PromptSource("jsonl", str(path)), "eval", 2) == got[:2]
 
 
 def _local_dataset(folder, rows):
@@ -171,30 +169,35 @@ def _local_dataset(folder, rows):
     return folder
 
 
+def hub(path, **kw) -> list[Prompt]:
+    return first_user_prompts(PromptSource("hub", str(path), **kw), "eval", ALL)
+
+
 def test_hub_prompts_read_datasets_folders_and_files_with_any_common_prompt_field(tmp_path):
     """The path real users take (datasets.load_dataset on a hub id) run on a local folder: MT-Bench's list of
     turns, GSM8K's question, ShareGPT conversations; and local parquet/jsonl files."""
     mt_bench = _local_dataset(tmp_path / "mt_bench", [{"prompt": ["Write a haiku.", "Now a limerick."],
                                                        "category": "writing"}] * 3)
-    assert [p.text for p in hub_prompts(str(mt_bench), 2)] == ["Write a haiku."] * 2
+    assert [p.text for p in first_user_prompts(PromptSource("hub", str(mt_bench)), "eval", 2)] == ["Write a haiku."] * 2
     gsm8k = _local_dataset(tmp_path / "gsm8k", [{"question": f"What is {i} + 1?", "answer": str(i + 1)}
                                                 for i in range(4)])
-    got = load_prompts(PromptSource("hub", str(gsm8k)), "eval", ALL)
+    got = hub(gsm8k)
     assert [(p.row, p.text) for p in got] == [(i, f"What is {i} + 1?") for i in range(4)]
     assert got[0].source == f"{gsm8k}[train]"
     share = tmp_path / "sharegpt.jsonl"
     share.write_text(json.dumps({"conversations": [{"from": "human", "value": "Hi there"},
                                                    {"from": "gpt", "value": "Hello"}]}) + "\n")
-    assert [p.text for p in hub_prompts(str(share), ALL)] == ["Hi there"]
-    assert [p.text for p in hub_prompts(str(gsm8k), ALL, field="answer")] == ["1", "2", "3", "4"]
+    assert [p.text for p in hub(share)] == ["Hi there"]
+    assert [p.text for p in hub(gsm8k, field="answer")] == ["1", "2", "3", "4"]
+    assert [p.text for p in hub(share, field="conversations")] == ["Hi there"]  # a chat column by name
 
 
 def test_hub_prompts_name_dataset_row_and_field_of_a_bad_row(tmp_path):
     folder = _local_dataset(tmp_path / "ds", [{"question": "fine"}, {"question": ""}])
-    with pytest.raises(ValueError, match=r"ds\[train\]: row 1: field 'question' must be a non-empty string"):
-        hub_prompts(str(folder), ALL)
-    with pytest.raises(ValueError, match=r"row 0: field 'prompt' .*columns: \['question'\]"):
-        hub_prompts(str(folder), ALL, field="prompt")
+    with pytest.raises(ValueError, match=r"ds\[train\] row 1: field 'question': must be a non-empty string"):
+        hub(folder)
+    with pytest.raises(ValueError, match=r"row 0: field 'prompt': no such field \(fields: \['question'\]\)"):
+        hub(folder, field="prompt")
 
 
 @pytest.mark.parametrize("bad_line, expected", [
@@ -202,15 +205,15 @@ def test_hub_prompts_name_dataset_row_and_field_of_a_bad_row(tmp_path):
     ('{"prompt": ""}', "'prompt'"),
     ('{"prompt": 42}', "'prompt'"),
     ('{"turns": ["   "]}', "'turns[0]'"),
-    ('{"messages": [{"role": "system", "content": "only a system message"}]}', "'messages[user].content'"),
-    ('{"text": "unknown key"}', "'prompt|turns|question|instruction|messages|conversations'"),
+    ('{"messages": [{"role": "system", "content": "only a system message"}]}', "'messages': no user turn"),
+    ('{"text": "unknown key"}', "'prompt|question|instruction|turns|messages|conversations'"),
     ('["not", "an", "object"]', "expected a JSON object"),
 ])
 def test_jsonl_prompts_malformed_line_names_file_line_and_field(tmp_path, bad_line, expected):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + bad_line + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError) as err:
-        jsonl_prompts(path, ALL)
+        first_user_prompts(PromptSource("jsonl", str(path)), "eval", ALL)
     assert f"{path}:3:" in str(err.value)
     assert expected in str(err.value)
 

@@ -25,20 +25,23 @@ from train.evaluation import format_table, hardware, write_report
 from train.finish import evaluate_heads, load_eval_sets, load_saved_run
 
 
-def parse_args(argv: list[str]) -> tuple[Path, str | None, list[str]]:
-    """``(run_dir, drafter, config overrides)`` from ``argv``. Raises ``SystemExit`` with usage when no run is
-    given."""
-    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith(("run_dir=", "drafter="))}
-    rest = [a for a in argv if not a.startswith(("run_dir=", "drafter="))]
+def parse_args(argv: list[str], options: tuple[str, ...], usage: str) -> tuple[Path, dict[str, str], list[str]]:
+    """``(run_dir, {option: value}, config overrides)`` from ``argv``: the run as ``run_dir=`` or the first
+    argument, ``key=value`` for each of ``options``, every other argument an override of the run's config.
+    Raises ``SystemExit`` with ``usage`` when no run is given."""
+    keys = tuple(f"{k}=" for k in ("run_dir", *options))
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith(keys)}
+    rest = [a for a in argv if not a.startswith(keys)]
     if "run_dir" not in args:
         if not rest or "=" in rest[0]:
-            raise SystemExit(__doc__)
+            raise SystemExit(usage)
         args["run_dir"], rest = rest[0], rest[1:]
-    return Path(args["run_dir"]), args.get("drafter"), rest
+    return Path(args.pop("run_dir")), args, rest
 
 
 def main(argv: list[str]) -> dict:
-    out, drafter, overrides = parse_args(argv)
+    out, options, overrides = parse_args(argv, ("drafter",), __doc__)
+    drafter = options.get("drafter")
     report_path = out / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     if (out / "export" / "dflash").exists():

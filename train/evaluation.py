@@ -19,13 +19,13 @@ import torch
 from tqdm.auto import tqdm
 
 from data.regenerate import prompt_ids
-from data.sources import load_prompts
+from data.conversations import first_user_prompts
 from models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
 
 def eval_prompts(set_cfg) -> list:
     """Held-out prompts of one eval set (chitchat's eval split never overlaps training)."""
-    return load_prompts(set_cfg, "eval", set_cfg.num_prompts)
+    return first_user_prompts(set_cfg, "eval", set_cfg.num_prompts)
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,

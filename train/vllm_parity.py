@@ -104,14 +104,8 @@ def compare(name: str, ours: dict, theirs: dict, decode=None) -> dict:
 def main(argv: list[str]) -> list[dict]:
     from data.regenerate import prompt_ids
     from train.finish import load_eval_sets
-    if not argv:
-        raise SystemExit(__doc__)
-    options = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.startswith(("run_dir=", "vllm_venv=",
-                                                                                    "serve="))}
-    rest = [a for a in argv if not a.startswith(("run_dir=", "vllm_venv=", "serve="))]
-    if "run_dir" not in options:
-        options["run_dir"], rest = rest[0], rest[1:]
-    run_dir = Path(options["run_dir"])
+    from train.evaluate import parse_args
+    run_dir, options, rest = parse_args(argv, ("vllm_venv", "serve"), __doc__)
     cache = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser()
     python = ensure_vllm(Path(options.get("vllm_venv", cache / "vllm-venv")))
     method, target_path, spec, eval_cfg, target, tokenizer, drafter = load(run_dir, rest)
