@@ -1,4 +1,4 @@
-"""Pieces several test modules share: a stub drafter base and a real 2-process launch."""
+"""Pieces several test modules share: a stub drafter base and a real 2-process launch under any engine."""
 
 import json
 import os
@@ -18,11 +18,24 @@ class StubDrafter:
         pass
 
 
-def launch_ddp(job: str, output_dir: Path, cache_dir, *overrides: str) -> dict:
-    """``accelerate launch --multi_gpu --num_processes 2 train/<job>.py +experiment=smoke ...`` (gloo on CPU);
+ENGINES = {
+    "ddp": ["--multi_gpu"],
+    "fsdp": ["--config_file", str(ROOT / "launch" / "fsdp.yaml")],
+    "zero2": ["--config_file", str(ROOT / "launch" / "deepspeed_zero2.yaml")],
+    "zero3": ["--config_file", str(ROOT / "launch" / "deepspeed_zero3.yaml")],
+}
+"""accelerate launch arguments per engine. accelerate runs FSDP and DeepSpeed on GPUs only: on CPU they go
+through tests/cpu_sharding (see its sitecustomize), which lifts that one gate."""
+
+
+def launch(job: str, output_dir: Path, cache_dir, *overrides: str, engine: str = "ddp") -> dict:
+    """``accelerate launch <engine> --num_processes 2 train/<job>.py +experiment=smoke ...`` on CPU (gloo);
     asserts it succeeded and returns its report."""
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+    if engine != "ddp":
+        env |= {"DRAFTHEADS_SHARDING_ON_CPU": "1",
+                "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_sharding"), env.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine], "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(ROOT / "train" / f"{job}.py"), "+experiment=smoke", *overrides, f"output_dir={output_dir}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)

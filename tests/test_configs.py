@@ -99,7 +99,8 @@ def test_every_group_preset_composes(group):
 
 
 LAUNCH = Path(__file__).resolve().parents[1] / "launch"
-EXPECTED_LAUNCH = {"single": "NO", "ddp": "MULTI_GPU", "ddp_cpu": "MULTI_CPU", "multinode": "MULTI_GPU"}
+EXPECTED_LAUNCH = {"single": "NO", "ddp": "MULTI_GPU", "ddp_cpu": "MULTI_CPU", "multinode": "MULTI_GPU",
+                   "fsdp": "FSDP", "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED"}
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_LAUNCH))

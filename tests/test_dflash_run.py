@@ -17,7 +17,7 @@ from train.config import register_configs
 from train.dflash import load_medusa_peer
 from train.dflash import run as run_dflash
 from train.medusa import run as run_medusa
-from tests.helpers import launch_ddp
+from tests.helpers import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 register_configs()
@@ -118,7 +118,7 @@ def test_online_features_train_like_offline_ones(tiny):
 
 
 def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
-    report = launch_ddp("dflash", tmp_path / "ddp", cache_dir, "train.epochs=6", "dflash.block_size=8",
+    report = launch("dflash", tmp_path / "ddp", cache_dir, "train.epochs=6", "dflash.block_size=8",
                         "dflash.medusa_run=null")
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
     steps = report["train_curves"]["dflash"][-1]["step"]

@@ -134,17 +134,6 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_d
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sharding_engines_are_refused_with_the_reason(tmp_path, cache_dir):
-    """FSDP asked for (here on CPU, where accelerate would silently fall back to DDP): a clear error, not a run
-    under another engine than the one requested."""
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--num_processes", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / "medusa.py"),
-           "+experiment=smoke", f"output_dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "draftheads does not run under FSDP yet" in proc.stderr
-
-
 def test_a_rank_that_dies_ends_every_rank_promptly(tmp_path, cache_dir):
     """One of two DDP ranks is killed mid-training: the launcher and the other rank end within a minute with
     an error, instead of the survivor waiting in a collective until the timeout."""

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from models.export.medusa import load_heads, load_tgi_medusa, load_vllm_medusa
 from train.config import register_configs
 from train.medusa import run
-from tests.helpers import launch_ddp
+from tests.helpers import launch
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_checkpoint_of_another_model_is_refused(smoke_run, tmp_path, cache_dir):
 def test_two_process_ddp_run(tmp_path, cache_dir):
     """Real 2-process DDP on CPU (gloo) through accelerate launch, against one process on the same global batch
     (2 x 8 rows vs 16): the same optimizer steps, and losses and held-out head accuracy that agree."""
-    ddp = launch_ddp("medusa", tmp_path / "ddp", cache_dir, *SMOKE_STAGES)
+    ddp = launch("medusa", tmp_path / "ddp", cache_dir, *SMOKE_STAGES)
     single = run(smoke_cfg(tmp_path / "single", cache_dir, "trainer.batch_size=16"))
     assert all(m["greedy_match"] == 1.0 for m in ddp["eval"].values())
     assert ddp["distributed"] == {"type": "MULTI_CPU", "num_processes": 2, "device": "cpu"}

@@ -45,8 +45,10 @@ def run(cfg: DictConfig) -> dict:
     meta = {"model": job.identity, "step_offset": 0}
     curves = {}
     if conf.stage1.enabled and resume_stage != "stage2":
-        state = fit(accelerator, MedusaStage1(heads, target, conf.medusa.decay), train_rows, conf.trainer,
-                    conf.stage1, out, pad, meta, resume_from=str(resume[0]) if resume else None)
+        strategy = MedusaStage1(heads, target, conf.medusa.decay)
+        state = fit(accelerator, strategy, train_rows, conf.trainer, conf.stage1, out, pad, meta,
+                    resume_from=str(resume[0]) if resume else None)
+        heads = strategy.module.heads  # the trained heads (a plain copy after FSDP/DeepSpeed)
         meta["step_offset"], curves["stage1"] = state.step, state.history
     elif resume_stage == "stage2":
         meta["step_offset"] = resume[1]["step_offset"]
@@ -57,6 +59,7 @@ def run(cfg: DictConfig) -> dict:
         state = fit(accelerator, strategy, train_rows, conf.trainer, s2, out, pad, meta,
                     resume_from=str(resume[0]) if resume_stage == "stage2" else None)
         curves["stage2"] = state.history
+        heads = strategy.module.heads
         meta["step_offset"] += state.step
         target.requires_grad_(False)
 

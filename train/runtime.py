@@ -15,6 +15,8 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
+from train.sharding import check_engine, keep_models_whole
+
 TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
 
 
@@ -28,8 +30,6 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     if cfg.tracker.name not in TRACKERS:
         raise ValueError(f"tracker.name={cfg.tracker.name!r} is not one of {sorted(TRACKERS)}")
     log_with = TRACKERS[cfg.tracker.name]
-    refuse_sharding(*(e for e, env in (("FSDP", "ACCELERATE_USE_FSDP"), ("DEEPSPEED", "ACCELERATE_USE_DEEPSPEED"))
-                      if os.environ.get(env, "false").lower() == "true"))
     # Rank 0 works alone while the others wait at a barrier (regenerating an uncached dataset, the final
     # validation, export and evaluation): the collective timeout must outlast that, not torch's default.
     timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.trainer.collective_timeout_min))
@@ -48,7 +48,8 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     if accelerator.num_processes != launched:
         raise RuntimeError(f"{launched} processes were launched but accelerate set up {accelerator.num_processes}: "
                            f"check the accelerate config (distributed type {accelerator.distributed_type})")
-    refuse_sharding(accelerator.distributed_type.value)
+    check_engine(accelerator)
+    keep_models_whole(accelerator)
     set_seed(cfg.trainer.seed)
     if log_with is None:
         return accelerator
@@ -84,17 +85,6 @@ def _run_id(output_dir: str) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(secrets.token_hex(4))  # W&B accepts any id of letters and digits
     return path.read_text().strip()
-
-
-def refuse_sharding(*engines: str) -> None:
-    """Raise ``NotImplementedError`` when FSDP or DeepSpeed is among ``engines`` (requested by the launch
-    config, or set up by accelerate). The end of a run validates, exports and evaluates on rank 0 alone, which
-    needs the trainable weights gathered from their shards first; that gather is not built."""
-    for engine in engines:
-        if engine in ("FSDP", "DEEPSPEED"):
-            raise NotImplementedError(f"draftheads does not run under {engine} yet (rank 0's final validation, "
-                                      f"export and evaluation need the sharded weights gathered first): use DDP, "
-                                      f"launch/ddp.yaml or launch/multinode.yaml")
 
 
 def distributed(accelerator: Accelerator) -> dict:

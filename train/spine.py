@@ -17,11 +17,13 @@ from typing import Protocol
 import torch
 from accelerate import Accelerator
 from torch import nn
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from data.batching import collate, epoch_batches, rank_shard
 from train.checkpoint import save_checkpoint
+from train.sharding import configure_deepspeed, full_state_dict, plain_twin, sharded
 
 
 class Strategy(Protocol):
@@ -38,6 +40,10 @@ class Strategy(Protocol):
 
     def forward_loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Scalar loss and detached metric tensors for one micro-batch (``module`` is the wrapped one)."""
+
+    def adopt(self, module: nn.Module) -> None:
+        """Take ``module``, a plain copy of ``self.module`` holding the trained weights, in its place (after
+        training under FSDP or DeepSpeed, whose prepared module is sharded)."""
 
 
 @dataclass
@@ -99,6 +105,8 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         raise ValueError(f"trainer.nonfinite={trainer.nonfinite!r} must be stop, or skip with grad_accum 1 "
                          f"(skipping part of an accumulation window would desynchronise the ranks' gradients)")
 
+    configure_deepspeed(accelerator, trainer)
+    twin = plain_twin(strategy.module) if sharded(accelerator) else None
     optimizer = torch.optim.AdamW(strategy.param_groups(trainer.lr), weight_decay=trainer.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(trainer.warmup_ratio * total_steps), total_steps)
     # A prepared scheduler is stepped num_processes times per step by accelerate; ours steps once per
@@ -124,7 +132,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         tokens += int(batch["loss_mask"].sum())  # on the CPU copy: no device sync
         batch = _to_device(batch, accelerator.device)
         _check_fields(strategy, batch)
-        with accelerator.accumulate(module):
+        with accelerator.accumulate(module), _autocast(accelerator.device, trainer.mixed_precision):
             loss, metrics = strategy.forward_loss(module, batch)
             if not _finite_everywhere(accelerator, loss):
                 where = (f"[{strategy.name}] non-finite loss at optimizer step {state.step + 1} (epoch {epoch}, "
@@ -139,8 +147,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
                 continue
             accelerator.backward(loss)
             if accelerator.sync_gradients:
-                metrics["grad_norm"] = torch.as_tensor(accelerator.clip_grad_norm_(module.parameters(),
-                                                                                    trainer.max_grad_norm))
+                metrics["grad_norm"] = _clip_grad_norm(accelerator, module, trainer.max_grad_norm)
             optimizer.step()
             if accelerator.sync_gradients:
                 scheduler.step()
@@ -172,8 +179,30 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         save_checkpoint(accelerator, output_dir, {**meta, "stage": strategy.name, "step": state.step, "done": True},
                         trainer.keep_last)
     bar.close()
+    if twin is not None:  # rank 0's evaluation and the next stage need plain modules: gather the shards
+        twin.load_state_dict(full_state_dict(accelerator, module))
+        strategy.adopt(twin)
     accelerator.free_memory()  # the next stage prepares its own module and optimizer
     return state
+
+
+def _autocast(device: torch.device, mixed_precision: str):
+    """``trainer.mixed_precision`` as autocast, for every engine: accelerate wraps a DDP module's forward in
+    autocast but neither an FSDP2 one nor DeepSpeed's (which casts the trainable module to bf16 while the frozen
+    target keeps its own dtype)."""
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    if mixed_precision not in (*dtypes, "no"):
+        raise ValueError(f"trainer.mixed_precision={mixed_precision!r} must be bf16, fp16 or no")
+    return torch.autocast(device.type, dtypes.get(mixed_precision), enabled=mixed_precision != "no")
+
+
+def _clip_grad_norm(accelerator: Accelerator, module: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients; their total norm before clipping as a plain float32 tensor on every engine: DDP
+    returns a tensor, FSDP2 a DTensor, DeepSpeed (which clips inside its own step) a float or None (NaN)."""
+    norm = accelerator.clip_grad_norm_(module.parameters(), max_norm)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
 
 
 def _finite_everywhere(accelerator: Accelerator, loss: torch.Tensor) -> bool:

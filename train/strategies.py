@@ -46,7 +46,12 @@ class _Stage1Module(nn.Module):
         return medusa_loss(self.heads, batch["hidden_states"], labels, valid, self.frozen[0], self.decay)
 
 
-class MedusaStage1:
+class _Adopts:
+    def adopt(self, module: nn.Module) -> None:
+        self.module = module
+
+
+class MedusaStage1(_Adopts):
     """Heads only, on cached target hidden states."""
     name = "stage1"
     required_fields = ("input_ids", "loss_mask", "hidden_states")
@@ -114,6 +119,13 @@ class MedusaStage2:
         return [{"params": list(self.module.heads.parameters()), "lr": lr},
                 {"params": list(self.module.layers.parameters()), "lr": lr * self.backbone_lr_scale}]
 
+    def adopt(self, module: nn.Module) -> None:
+        """The plain trained layers also go back into the target, replacing the sharded ones."""
+        self.module = module
+        layers = decoder_layers(module.frozen[0])
+        for i, layer in zip(range(len(layers) - len(module.layers), len(layers)), module.layers):
+            layers[i] = layer
+
     def forward_loss(self, module, batch):
         return module(batch)
 
@@ -138,7 +150,7 @@ class _DFlashModule(nn.Module):
         return loss, metrics
 
 
-class DFlashTraining:
+class DFlashTraining(_Adopts):
     """The DFlash drafter on target features: ``target_features`` from the batch (offline) or from a target
     forward per batch (online)."""
     name = "dflash"

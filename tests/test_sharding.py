@@ -1,0 +1,100 @@
+"""FSDP2 and DeepSpeed ZeRO-2/3: 2 processes on CPU through the shipped launch configs train exactly what DDP
+trains (same global batches, float32), hand plain weights to rank 0's evaluation and export, and resume from
+their sharded checkpoints."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import ROOT, launch
+from tests.test_medusa_run import SMOKE_STAGES
+
+pytest.importorskip("deepspeed")
+
+MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
+DFLASH = ["train.epochs=3", "dflash.block_size=8", "dflash.medusa_run=null", "trainer.mixed_precision=no"]
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys() and a
+    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    assert worst < atol, worst
+
+
+def assert_same_curve(a: list[dict], b: list[dict], key: str) -> None:
+    assert [x["step"] for x in a] == [x["step"] for x in b]
+    assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ddp_medusa(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("ddp_medusa")
+    return out, launch("medusa", out, cache_dir, *MEDUSA)
+
+
+@pytest.mark.parametrize("engine, kind", [("fsdp", "FSDP"), ("zero2", "DEEPSPEED"), ("zero3", "DEEPSPEED")])
+def test_sharded_medusa_run_trains_what_ddp_trains(engine, kind, ddp_medusa, tmp_path, cache_dir):
+    """Both stages under the engine: the same losses, heads and stage-2 target layers as DDP, and a lossless
+    evaluation on rank 0 with the gathered weights."""
+    ref_out, ref = ddp_medusa
+    out = tmp_path / engine
+    report = launch("medusa", out, cache_dir, *MEDUSA, engine=engine)
+    assert report["distributed"] == {"type": kind, "num_processes": 2, "device": "cpu"}
+    for stage in ("stage1", "stage2"):
+        assert_same_curve(report["train_curves"][stage], ref["train_curves"][stage], f"{stage}/loss")
+    assert_same_weights(weights(out / "medusa_heads"), weights(ref_out / "medusa_heads"))
+    layers = {k: v for k, v in weights(ref_out / "export" / "target").items() if ".layers.2." in k or ".layers.3." in k}
+    trained = weights(out / "export" / "target")
+    assert_same_weights({k: trained[k] for k in layers}, layers)
+    assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_dir):
+    """A run cut after stage 1's step 10 (later checkpoints and results removed) resumes from the engine's
+    sharded checkpoint and ends with the weights of the uncut run."""
+    out = tmp_path / "run"
+    launch("medusa", out, cache_dir, *MEDUSA, engine=engine)
+    heads = weights(out / "medusa_heads")
+    for path in [*out.glob("checkpoints/stage1-step000012"), *out.glob("checkpoints/stage2-*"), out / "medusa_heads",
+                 out / "export", out / "report.json"]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    report = launch("medusa", out, cache_dir, *MEDUSA, "resume=true", engine=engine)
+    assert report["train_curves"]["stage1"][0]["step"] > 10  # continued, not restarted
+    assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
+
+
+def test_sharded_dflash_runs_train_what_ddp_trains(tmp_path, cache_dir):
+    """DFlash under FSDP on cached features and under ZeRO-3 with the target running online: the same losses
+    and drafter as DDP."""
+    ref = launch("dflash", tmp_path / "ddp", cache_dir, *DFLASH)
+    ref_weights = weights(tmp_path / "ddp" / "export" / "dflash")
+    for engine, features in (("fsdp", "offline"), ("zero3", "online")):
+        report = launch("dflash", tmp_path / engine, cache_dir, *DFLASH, f"dflash.features={features}", engine=engine)
+        assert_same_curve(report["train_curves"]["dflash"], ref["train_curves"]["dflash"], "dflash/loss")
+        assert_same_weights(weights(tmp_path / engine / "export" / "dflash"), ref_weights)
+        assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
+
+
+def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir):
+    """FSDP asked for on CPU without the test gate: accelerate would silently fall back to data parallelism;
+    the job refuses to run under another engine than the one requested, and says why."""
+    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "fsdp.yaml"),
+           "--num_processes", "1", str(ROOT / "train" / "medusa.py"), "+experiment=smoke", f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "the launch asked for FSDP but accelerate set up" in proc.stderr
+    assert "accelerate runs FSDP on GPUs only" in proc.stderr
