@@ -371,13 +371,13 @@ def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Ten
         alpha_prod, tau = 1.0, 1.0
         for k in range(S1):
             n_valid = valid[..., k].sum()
-            metrics[f"acc_pos{k + 1}"] = correct[..., k].sum() / n_valid if n_valid else torch.tensor(float("nan"))
+            metrics[f"acc_pos{k + 1}"] = correct[..., k].sum() / n_valid if n_valid else hidden.new_tensor(float("nan"))
             n_reached = reached[..., k].sum()
-            alpha = prefix[..., k].sum() / n_reached if n_reached else torch.tensor(0.0)
+            alpha = prefix[..., k].sum() / n_reached if n_reached else hidden.new_tensor(0.0)
             metrics[f"alpha_pos{k + 1}"] = alpha
             alpha_prod = alpha_prod * alpha
             tau = tau + alpha_prod
-        metrics["tau_estimate"] = torch.as_tensor(tau)
+        metrics["tau_estimate"] = torch.as_tensor(tau, device=hidden.device)
     return loss, metrics
 
 

@@ -142,3 +142,19 @@ def test_resuming_in_another_jobs_run_directory_is_refused(medusa_run, cache_dir
     shutil.copytree(medusa_run / "checkpoints", other / "checkpoints")
     with pytest.raises(ValueError, match="stage 'stage1', not one of this job's \\['dflash'\\]"):
         run_dflash(cfg("dflash", other, cache_dir, "resume=true", "dflash.medusa_run=null"))
+
+
+@pytest.mark.parametrize("job", ["medusa", "dflash"])
+def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_path, cache_dir):
+    """Drafters train in float32 beside a bf16 target, then are validated, evaluated and exported in the
+    target's dtype, as a server runs them (float32 drafters met bf16 target states in validation before)."""
+    run = run_medusa if job == "medusa" else run_dflash
+    extra = ["stage1.epochs=1", "stage2.epochs=0.5"] if job == "medusa" else ["train.epochs=1", "dflash.medusa_run=null"]
+    report = run(cfg(job, tmp_path, cache_dir, "model.dtype=bfloat16", "eval.max_new_tokens=8",
+                     "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]", *extra))
+    assert report["dtype"] == "bfloat16"
+    assert all(math.isfinite(v) for v in report["validation"].values())
+    assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
+    folder = tmp_path / ("medusa_heads" if job == "medusa" else "export/dflash")
+    dtypes = {t.dtype for f in folder.glob("*.safetensors") for t in load_file(str(f)).values()}
+    assert dtypes == {torch.bfloat16}

@@ -187,6 +187,10 @@ class TrainerConfig:
     nonfinite: str = "stop"
     """A NaN/inf loss on any rank: stop (error naming stage, step, batch and rows) or skip the batch (counted
     as ``<stage>/skipped_nonfinite``; needs grad_accum 1). Checked every micro-batch (one scalar sync)."""
+    count_flops: bool = False
+    """Count the model FLOPs of the first micro-batch (forward + backward matrix products, attention scores
+    excluded; torch's FlopCounterMode) and log ``perf/tflops_per_s`` per process from them: divided by the
+    device's peak, model FLOPs utilisation."""
 
 
 @dataclass

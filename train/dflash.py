@@ -136,7 +136,8 @@ def run(cfg: DictConfig) -> dict:
     strategy = DFlashTraining(drafter, target, d.max_anchors, decay, online=d.features == "online")
     state = fit(accelerator, strategy, train_rows, conf.trainer, conf.train, str(job.out), pad,
                 {"model": job.identity, "step_offset": 0}, resume_from=str(job.resume[0]) if job.resume else None)
-    drafter = strategy.module.drafter  # the trained drafter (a plain copy after FSDP/DeepSpeed)
+    # the trained drafter (a plain copy after FSDP/DeepSpeed), in the target's dtype as a server runs it
+    drafter = strategy.module.drafter.to(target.dtype)
 
     report = {}
     if accelerator.is_main_process:

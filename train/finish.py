@@ -115,7 +115,7 @@ def finish_run(conf, accelerator, target, tokenizer, heads, target_path: str, id
     """Validate, save, export, evaluate and write ``report.json``; returns the report. Metrics are logged
     at ``step``, the last training step on the tracker's axis."""
     out = Path(conf.output_dir)
-    heads = accelerator.unwrap_model(heads).eval()
+    heads = accelerator.unwrap_model(heads).to(target.dtype).eval()  # trained in float32; served in the target's dtype
     val, rank_accuracy = validate(target, heads, val_rows, conf.trainer.hidden_states_batch_size,
                                   tokenizer.pad_token_id)
     accelerator.log(val, step=step)

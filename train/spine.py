@@ -11,6 +11,7 @@ import math
 import time
 import weakref
 from collections import defaultdict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -18,12 +19,18 @@ import torch
 from accelerate import Accelerator
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from data.batching import collate, epoch_batches, rank_shard
 from train.checkpoint import save_checkpoint
 from train.sharding import configure_deepspeed, full_state_dict, plain_twin, sharded
+
+
+# trainer.count_flops counts matrix products only: torch's attention formulas reject grouped-query shapes
+# (DFlash's block attention), and attention is a few percent of the FLOPs at these lengths.
+_NO_ATTENTION_FLOPS = {op: (lambda *args, **kwargs: 0) for op in flop_registry if "attention" in str(op)}
 
 
 class Strategy(Protocol):
@@ -118,7 +125,8 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         accelerator.print(f"[{strategy.name}] resumed from {resume_from} at step {state.step}")
 
     window: dict[str, list[torch.Tensor]] = defaultdict(list)
-    tokens, t0 = 0, time.perf_counter()
+    tokens, attended, t0 = 0, 0, time.perf_counter()
+    flops_per_token = None  # trainer.count_flops: model FLOPs per attended token, from the first micro-batch
     bar = tqdm(total=total_steps, initial=state.step, desc=f"{strategy.name} training", unit="step",
                disable=not accelerator.is_main_process)
     epoch_cache: tuple[int, list] = (-1, [])
@@ -129,10 +137,13 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         if epoch_cache[0] != epoch:
             epoch_cache = (epoch, epoch_batches(shard, trainer.batch_size, trainer.seed, epoch))
         batch = collate(epoch_cache[1][index], pad_token_id)
-        tokens += int(batch["loss_mask"].sum())  # on the CPU copy: no device sync
+        tokens += int(batch["loss_mask"].sum())  # on the CPU copies: no device sync
+        attended += int(batch["attention_mask"].sum())
         batch = _to_device(batch, accelerator.device)
         _check_fields(strategy, batch)
-        with accelerator.accumulate(module), _autocast(accelerator.device, trainer.mixed_precision):
+        counter = (FlopCounterMode(display=False, custom_mapping=_NO_ATTENTION_FLOPS)
+                   if trainer.count_flops and flops_per_token is None else nullcontext())
+        with counter, accelerator.accumulate(module), _autocast(accelerator.device, trainer.mixed_precision):
             loss, metrics = strategy.forward_loss(module, batch)
             if not _finite_everywhere(accelerator, loss):
                 where = (f"[{strategy.name}] non-finite loss at optimizer step {state.step + 1} (epoch {epoch}, "
@@ -152,6 +163,8 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
             if accelerator.sync_gradients:
                 scheduler.step()
             optimizer.zero_grad()
+        if isinstance(counter, FlopCounterMode):
+            flops_per_token = counter.get_total_flops() / int(batch["attention_mask"].sum())
         state.micro += 1
         window["loss"].append(loss.detach())
         for k, v in metrics.items():
@@ -164,13 +177,16 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
             logs = _reduce(accelerator, window, strategy.name)
             elapsed = time.perf_counter() - t0
             logs["perf/trainable_tokens_per_s"] = tokens * accelerator.num_processes / elapsed
+            logs["perf/tokens_per_s"] = attended * accelerator.num_processes / elapsed
+            if flops_per_token is not None:
+                logs["perf/tflops_per_s"] = flops_per_token * attended / elapsed / 1e12
             logs[f"{strategy.name}/skipped_nonfinite"] = state.skipped_nonfinite
             logs.update({f"{strategy.name}/lr_group{i}": g["lr"] for i, g in enumerate(optimizer.param_groups)})
             accelerator.log(logs, step=_global_step(meta, state.step))
             state.history.append({"step": state.step, **logs})
             bar.set_postfix(loss=f"{logs[f'{strategy.name}/loss']:.3f}")
             window.clear()
-            tokens, t0 = 0, time.perf_counter()
+            tokens, attended, t0 = 0, 0, time.perf_counter()
         if state.step % trainer.checkpoint_every == 0 or state.micro == total_micro:
             save_checkpoint(accelerator, output_dir, {**meta, "stage": strategy.name, "step": state.step,
                                                       "done": state.micro == total_micro}, trainer.keep_last)
@@ -202,7 +218,7 @@ def _clip_grad_norm(accelerator: Accelerator, module: nn.Module, max_norm: float
     norm = accelerator.clip_grad_norm_(module.parameters(), max_norm)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
-    return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32)
+    return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32, device=accelerator.device)
 
 
 def _finite_everywhere(accelerator: Accelerator, loss: torch.Tensor) -> bool:
@@ -221,7 +237,7 @@ def _global_step(meta: dict, step: int) -> int:
 def _reduce(accelerator: Accelerator, window: dict, prefix: str) -> dict[str, float]:
     """Mean over the window, then over ranks; ``.item()`` happens here only."""
     names = sorted(window)
-    local = torch.stack([torch.stack(window[k]).nanmean() for k in names]).to(accelerator.device)
+    local = torch.stack([torch.stack([v.to(accelerator.device) for v in window[k]]).nanmean() for k in names])
     mean = accelerator.reduce(local, reduction="mean")
     return {f"{prefix}/{k}": v for k, v in zip(names, mean.tolist())}
 

@@ -3,15 +3,24 @@
     python tests/benchmarks/bench_training.py                      # SmolLM2-135M on this machine's CPUs
     python tests/benchmarks/bench_training.py model=tiny steps=20  # any config override; steps per job
     python tests/benchmarks/bench_training.py model=hf model.name_or_path=meta-llama/Llama-3.2-1B model.dtype=bfloat16
+    accelerate launch --config_file launch/fsdp.yaml --num_processes 1 tests/benchmarks/bench_training.py jobs=stage2
 
-Jobs: Medusa stage 1 with target states computed in memory vs read from the offline cache (the cache build
-timed on its own), Medusa stage 2, DFlash with precomputed vs online target features. Prints trainable
-tokens/s (response tokens trained per second, all ranks, after the first logging window) and each job's wall
-time (data, target states and training).
+Jobs (``jobs=`` keeps some, comma-separated): ``cache`` builds the offline hidden-state cache (timed on its own),
+``stage1`` Medusa stage 1 with target states computed in memory, ``stage1_offline`` the same read from the
+cache, ``stage2`` Medusa stage 2, ``dflash`` DFlash on precomputed features, ``dflash_online`` with the target
+run per batch. Under ``accelerate launch`` give one training job: accelerate ends its process group with a job.
+Overrides go to every job, except ``dflash.*`` ones, which go to the DFlash jobs only.
+
+Prints per job: trainable tokens/s (response tokens trained per second, all ranks) and tokens/s (all attended
+tokens), after the first logging window; model TFLOP/s per process (matrix-product FLOPs of the first
+micro-batch counted by torch's FlopCounterMode, attention scores excluded, times attended tokens/s); on a GPU, MFU against the bf16 matrix
+rate measured here (an 8192^3 product); and each job's wall time (data, target states and training). A last
+line ``RESULTS <json>`` carries the same numbers for scripts.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import time
@@ -41,46 +50,92 @@ def run_job(name: str, overrides: list[str]) -> tuple[dict, float]:
     return report, time.perf_counter() - start
 
 
-def throughput(curve: list[dict]) -> float:
-    """Mean trainable tokens/s over the logged windows after the first (warm-up)."""
+def window_mean(curve: list[dict], key: str) -> float:
+    """Mean of ``key`` over the logged windows after the first (warm-up)."""
     logged = curve[1:] or curve
-    return sum(x["perf/trainable_tokens_per_s"] for x in logged) / len(logged)
+    return sum(x[key] for x in logged) / len(logged)
+
+
+def peak_tflops() -> float | None:
+    """Measured dense bf16 matrix rate of this GPU (median of 10 timed 8192^3 products), None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * 8192 ** 3 / sorted(times)[len(times) // 2] / 1e12
+
+
+def format_row(r: dict, peak: float | None) -> str:
+    mfu = f"{r['tflops'] / peak:.1%}" if peak else "-"
+    return (f"{r['label']:<34}{r['engine']:>10}{r['trainable_tok_s']:>16.0f}{r['tok_s']:>10.0f}"
+            f"{r['tflops']:>9.2f}{mfu:>7}{r['wall_s']:>8.1f}")
 
 
 def main(argv: list[str]) -> None:
-    steps = int(next((a.split("=")[1] for a in argv if a.startswith("steps=")), 12))
-    user = [a for a in argv if not a.startswith("steps=")]
+    options = dict(a.split("=", 1) for a in argv if a.startswith(("steps=", "jobs=")))
+    steps = int(options.get("steps", 12))
+    user = [a for a in argv if not a.startswith(("steps=", "jobs=", "dflash."))]
+    dflash_only = [a for a in argv if a.startswith("dflash.")]  # DFlash's own keys reach its jobs only
     out = Path(tempfile.mkdtemp(prefix="bench-"))
-    common = ["tracker=none", "eval.enabled=false", "export=false", "trainer.log_every=2",
+    common = ["tracker=none", "eval.enabled=false", "export=false", "trainer.log_every=2", "trainer.count_flops=true",
               f"trainer.checkpoint_every={10 ** 6}", "data.num_train_prompts=64", "data.num_val_prompts=8", *user]
     medusa = [*common, "stage1.max_steps=" + str(steps), "stage1.epochs=100", "stage2.enabled=false"]
     cache = [f"data.hidden_states_dir={out / 'hs'}"]
-    rows = []
-
-    from train.cache_hidden_states import run as cache_states
-    start = time.perf_counter()
-    cache_states(job("medusa", [*medusa, f"output_dir={out / 'cache'}", *cache]))
-    cache_s = time.perf_counter() - start
-    plans = [
-        ("medusa stage 1, states in memory", "medusa", [*medusa, f"output_dir={out / 'm1'}"], "stage1"),
-        ("medusa stage 1, offline cache", "medusa", [*medusa, f"output_dir={out / 'm2'}", "data.hidden_states=offline",
-                                                     *cache], "stage1"),
-        ("medusa stage 2 (last 4 layers)", "medusa", [*common, f"output_dir={out / 'm3'}", "stage1.max_steps=1",
-                                                      f"stage2.max_steps={steps}", "stage2.epochs=100"], "stage2"),
-        ("dflash, features precomputed", "dflash", [*common, f"output_dir={out / 'd1'}", f"train.max_steps={steps}",
-                                                    "train.epochs=100", "dflash.medusa_run=null"], "dflash"),
-        ("dflash, features online", "dflash", [*common, f"output_dir={out / 'd2'}", f"train.max_steps={steps}",
-                                               "train.epochs=100", "dflash.medusa_run=null",
-                                               "dflash.features=online"], "dflash"),
-    ]
-    for label, name, overrides, stage in plans:
-        report, wall = run_job(name, overrides)
-        rows.append((label, throughput(report["train_curves"][stage]), wall))
+    dflash = [*common, f"train.max_steps={steps}", "train.epochs=100", "dflash.medusa_run=null"]
+    plans = {
+        "stage1": ("medusa stage 1, states in memory", "medusa", medusa, "stage1"),
+        "stage1_offline": ("medusa stage 1, offline cache", "medusa",
+                           [*medusa, "data.hidden_states=offline", *cache], "stage1"),
+        "stage2": ("medusa stage 2 (last 4 layers)", "medusa",
+                   [*common, "stage1.max_steps=1", f"stage2.max_steps={steps}", "stage2.epochs=100"], "stage2"),
+        "dflash": ("dflash, features precomputed", "dflash", dflash, "dflash"),
+        "dflash_online": ("dflash, features online", "dflash", [*dflash, "dflash.features=online"], "dflash"),
+    }
+    wanted = options.get("jobs", "cache," + ",".join(plans)).split(",")
+    unknown = set(wanted) - {"cache", *plans}
+    if unknown:
+        raise SystemExit(f"unknown jobs {sorted(unknown)}; choose from cache, {', '.join(plans)}")
+    rows, cache_s = [], None
+    if "cache" in wanted:
+        from train.cache_hidden_states import run as cache_states
+        start = time.perf_counter()
+        cache_states(job("medusa", [*medusa, f"output_dir={out / 'cache'}", *cache]))
+        cache_s = time.perf_counter() - start
+        print(f"offline cache build: {cache_s:.1f} s", flush=True)
+    peak = peak_tflops()
+    for name in (n for n in plans if n in wanted):
+        label, job_name, overrides, stage = plans[name]
+        try:
+            report, wall = run_job(job_name, [*overrides, *(dflash_only if job_name == "dflash" else []),
+                                              f"output_dir={out / name}"])
+        except Exception as e:  # one job's failure is a result too; the others still run
+            print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
+            continue
+        curve = report["train_curves"][stage] if report else []
+        if curve:  # the main process reports
+            rows.append({"job": name, "label": label, "engine": report["distributed"]["type"],
+                         "trainable_tok_s": window_mean(curve, "perf/trainable_tokens_per_s"),
+                         "tok_s": window_mean(curve, "perf/tokens_per_s"),
+                         "tflops": window_mean(curve, "perf/tflops_per_s"), "wall_s": wall})
+            print("ROW " + format_row(rows[-1], peak), flush=True)
+    if not rows:
+        return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {torch.get_num_threads()} threads"
-    print(f"\ndevice: {device}; {steps} optimizer steps per job; offline cache build: {cache_s:.1f} s")
-    print(f"{'job':<34}{'trainable tok/s':>16}{'job wall s':>12}")
-    for label, tps, wall in rows:
-        print(f"{label:<34}{tps:>16.0f}{wall:>12.1f}")
+    print(f"\ndevice: {device}; {steps} optimizer steps per job"
+          + (f"; measured bf16 peak {peak:.0f} TFLOP/s" if peak else ""))
+    print(f"{'job':<34}{'engine':>10}{'trainable tok/s':>16}{'tok/s':>10}{'TFLOP/s':>9}{'MFU':>7}{'wall s':>8}")
+    for r in rows:
+        print(format_row(r, peak))
+    print("RESULTS " + json.dumps({"device": device, "peak_tflops": peak, "cache_s": cache_s, "rows": rows}))
 
 
 if __name__ == "__main__":
