@@ -88,6 +88,28 @@ def test_sharded_dflash_runs_train_what_ddp_trains(tmp_path, cache_dir):
         assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
 
 
+def bf16_rounded(t: torch.Tensor) -> bool:
+    """Whether a float32 tensor holds only bf16 values (its low 16 bits all zero)."""
+    return bool((t.float().view(torch.int32) & 0xFFFF).eq(0).all())
+
+
+@pytest.mark.parametrize("engine", ["fsdp", "zero2"])
+def test_bf16_training_keeps_float32_weights_under_every_engine(engine, tmp_path, cache_dir):
+    """With trainer.mixed_precision=bf16 (the default) the engines compute in bf16 but keep, reduce and hand back
+    float32: the heads saved are not bf16-rounded (DeepSpeed's float32 master weights, not its bf16 copies), the
+    logged losses are not bf16 values (FSDP2 returns the loss in float32), and both stay close to DDP's."""
+    args = ["stage1.epochs=4", "stage2.enabled=false", "eval.enabled=false", "export=false"]
+    ref = launch("medusa", tmp_path / "ddp", cache_dir, *args)
+    report = launch("medusa", tmp_path / engine, cache_dir, *args, engine=engine)
+    heads = weights(tmp_path / engine / "medusa_heads")
+    assert not all(bf16_rounded(t) for t in heads.values())
+    losses = [x["stage1/loss"] for x in report["train_curves"]["stage1"]]
+    assert not all(bf16_rounded(torch.tensor(v)) for v in losses)
+    assert losses == pytest.approx([x["stage1/loss"] for x in ref["train_curves"]["stage1"]], rel=2e-3)
+    ddp_heads = weights(tmp_path / "ddp" / "medusa_heads")
+    assert all(torch.allclose(heads[k], ddp_heads[k], atol=2e-2) for k in heads)
+
+
 def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir):
     """FSDP asked for on CPU without the test gate: accelerate would silently fall back to data parallelism;
     the job refuses to run under another engine than the one requested, and says why."""

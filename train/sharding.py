@@ -34,7 +34,7 @@ def check_engine(accelerator: Accelerator) -> None:
         if os.environ.get(env, "false").lower() == "true" and accelerator.distributed_type != engine:
             raise RuntimeError(f"the launch asked for {engine.value} but accelerate set up "
                                f"{accelerator.distributed_type.value} on {accelerator.device.type}: accelerate runs "
-                               f"{engine.value} on GPUs only (use launch/ddp.yaml or launch/ddp_cpu.yaml elsewhere)")
+                               f"{engine.value} on GPUs only (on CPUs use launch/ddp_cpu.yaml)")
     if accelerator.distributed_type == DistributedType.FSDP and accelerator.state.fsdp_plugin.fsdp_version != 2:
         raise ValueError(f"FSDP version {accelerator.state.fsdp_plugin.fsdp_version} is not supported: set "
                          f"fsdp_version: 2 in the accelerate config (launch/fsdp.yaml) or pass --fsdp_version 2")
@@ -50,10 +50,22 @@ def keep_models_whole(accelerator: Accelerator) -> None:
         unset_hf_deepspeed_config()
 
 
-def configure_deepspeed(accelerator: Accelerator, trainer) -> None:
-    """Fill the DeepSpeed config from ``trainer`` before ``prepare``: micro-batch per GPU (there is no prepared
-    dataloader to infer it from), gradient accumulation and clipping (DeepSpeed clips inside its own step).
-    ``trainer.*`` decides: a different value in the DeepSpeed config is replaced, with a note."""
+def configure_engine(accelerator: Accelerator, trainer) -> None:
+    """Set the engine up from ``trainer`` before ``prepare``, so every engine keeps float32 weights and float32
+    gradient reductions and computes in ``trainer.mixed_precision``:
+
+    - FSDP2: bf16/fp16 copies of the gathered weights for compute, gradients reduced and outputs returned in
+      float32 (accelerate's own policy would reduce gradients and return the loss in bf16).
+    - DeepSpeed: micro-batch per GPU (there is no prepared dataloader to infer it from), gradient accumulation
+      and clipping (DeepSpeed clips inside its own step); a different value in the DeepSpeed config is replaced,
+      with a note. Its bf16 mode trains bf16 weights with float32 master weights, which :func:`full_state_dict`
+      returns.
+    """
+    if accelerator.distributed_type == DistributedType.FSDP:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(trainer.mixed_precision)
+        accelerator.state.fsdp_plugin.mixed_precision_policy = MixedPrecisionPolicy(
+            param_dtype=compute, reduce_dtype=torch.float32, output_dtype=torch.float32)
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     config = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -79,8 +91,9 @@ def full_state_dict(accelerator: Accelerator, prepared: nn.Module) -> dict[str, 
     """The prepared module's complete trained weights on every rank (a collective: all ranks call it).
 
     FSDP2: all-gathers the DTensor shards (``torch.distributed.checkpoint.state_dict``, full state dict).
-    DeepSpeed: ZeRO-3 partitions are gathered with ``deepspeed.zero.GatheredParameters``; ZeRO-1/2 parameters
-    are whole on every rank already. Keys are those of the unprepared module.
+    DeepSpeed: the float32 master weights (``deepspeed.utils.safe_get_full_fp32_param``), not the bf16 weights
+    its bf16 mode computes with; buffers through ``deepspeed.zero.GatheredParameters`` (ZeRO-3 partitions).
+    Keys are those of the unprepared module.
     """
     if accelerator.distributed_type == DistributedType.FSDP:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -88,6 +101,12 @@ def full_state_dict(accelerator: Accelerator, prepared: nn.Module) -> dict[str, 
     inner = accelerator.unwrap_model(prepared)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param
         with deepspeed.zero.GatheredParameters(list(inner.parameters())):
-            return {k: v.detach().clone() for k, v in inner.state_dict().items()}
+            state = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+        for name, param in inner.named_parameters():  # the same order on every rank: collectives under ZeRO-3
+            master = safe_get_full_fp32_param(param)
+            if master is not None:
+                state[name] = master.detach().clone()
+        return state
     return inner.state_dict()

@@ -25,7 +25,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from data.batching import collate, epoch_batches, rank_shard
 from train.checkpoint import save_checkpoint
-from train.sharding import configure_deepspeed, full_state_dict, plain_twin, sharded
+from train.sharding import configure_engine, full_state_dict, plain_twin, sharded
 
 
 # trainer.count_flops counts matrix products only: torch's attention formulas reject grouped-query shapes
@@ -112,7 +112,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         raise ValueError(f"trainer.nonfinite={trainer.nonfinite!r} must be stop, or skip with grad_accum 1 "
                          f"(skipping part of an accumulation window would desynchronise the ranks' gradients)")
 
-    configure_deepspeed(accelerator, trainer)
+    configure_engine(accelerator, trainer)
     twin = plain_twin(strategy.module) if sharded(accelerator) else None
     optimizer = torch.optim.AdamW(strategy.param_groups(trainer.lr), weight_decay=trainer.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(trainer.warmup_ratio * total_steps), total_steps)
@@ -204,8 +204,8 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
 
 def _autocast(device: torch.device, mixed_precision: str):
     """``trainer.mixed_precision`` as autocast, for every engine: accelerate wraps a DDP module's forward in
-    autocast but neither an FSDP2 one nor DeepSpeed's (which casts the trainable module to bf16 while the frozen
-    target keeps its own dtype)."""
+    autocast but neither an FSDP2 one (which computes with bf16 weight copies, while the frozen target keeps its
+    own dtype) nor DeepSpeed's (whose bf16 mode casts the trainable module, likewise)."""
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     if mixed_precision not in (*dtypes, "no"):
         raise ValueError(f"trainer.mixed_precision={mixed_precision!r} must be bf16, fp16 or no")
