@@ -91,8 +91,8 @@ def full_state_dict(accelerator: Accelerator, prepared: nn.Module) -> dict[str, 
     """The prepared module's complete trained weights on every rank (a collective: all ranks call it).
 
     FSDP2: all-gathers the DTensor shards (``torch.distributed.checkpoint.state_dict``, full state dict).
-    DeepSpeed: the float32 master weights (``deepspeed.utils.safe_get_full_fp32_param``), not the bf16 weights
-    its bf16 mode computes with; buffers through ``deepspeed.zero.GatheredParameters`` (ZeRO-3 partitions).
+    DeepSpeed: the float32 master weights (``deepspeed.utils.safe_get_full_fp32_param``, gathered from their
+    ZeRO partitions), not the bf16 weights its bf16 mode computes with; buffers, which ZeRO leaves whole.
     Keys are those of the unprepared module.
     """
     if accelerator.distributed_type == DistributedType.FSDP:
@@ -100,13 +100,10 @@ def full_state_dict(accelerator: Accelerator, prepared: nn.Module) -> dict[str, 
         return get_model_state_dict(prepared, options=StateDictOptions(full_state_dict=True))
     inner = accelerator.unwrap_model(prepared)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
-        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param
-        with deepspeed.zero.GatheredParameters(list(inner.parameters())):
-            state = {k: v.detach().clone() for k, v in inner.state_dict().items()}
+        state = {k: v.detach().clone() for k, v in inner.state_dict().items()}  # buffers; parameters follow
         for name, param in inner.named_parameters():  # the same order on every rank: collectives under ZeRO-3
-            master = safe_get_full_fp32_param(param)
-            if master is not None:
-                state[name] = master.detach().clone()
+            master = safe_get_full_fp32_param(param)  # None only without ZeRO and bf16: the parameter is whole
+            state[name] = (param if master is None else master).detach().clone()
         return state
     return inner.state_dict()
