@@ -195,11 +195,13 @@ def regenerate(backend: Backend, chats: list[Chat], batch_size: int, cache_file:
     barrier()  # every rank has the same view of what is done before any rank appends
     todo = sorted((c for c in chats if (c.source, c.row) not in done),
                   key=lambda c: sum(len(m["content"]) for m in c.messages))[rank::world_size]
-    torch.manual_seed(getattr(getattr(backend, "settings", None), "seed", 0))
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=len(todo), desc=f"regenerating answers ({backend.name})", unit="conversation",
                disable=not show_progress)
-    with open(mine, "a") as f:
+    # seeded sampling in a forked RNG: training afterwards draws the same numbers whether or not this ran
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices), open(mine, "a") as f:
+        torch.manual_seed(getattr(getattr(backend, "settings", None), "seed", 0))
         for i in range(0, len(todo), batch_size):
             for r in answer_turns(backend, todo[i:i + batch_size]):
                 f.write(json.dumps(asdict(r)) + "\n")

@@ -158,3 +158,14 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     folder = tmp_path / ("medusa_heads" if job == "medusa" else "export/dflash")
     dtypes = {t.dtype for f in folder.glob("*.safetensors") for t in load_file(str(f)).values()}
     assert dtypes == {torch.bfloat16}
+
+
+def test_a_run_that_regenerates_trains_like_one_that_reads_the_cache(tmp_path):
+    """Regeneration draws from its own seeded RNG: DFlash's anchor sampling afterwards (global RNG) is the same
+    whether the run answered the prompts itself or read them from the cache (it differed before)."""
+    cache = tmp_path / "cache"
+    args = ["train.epochs=2", "dflash.block_size=8", "dflash.medusa_run=null", "eval.enabled=false", "export=false"]
+    fresh = run_dflash(cfg("dflash", tmp_path / "fresh", cache, *args))
+    cached = run_dflash(cfg("dflash", tmp_path / "cached", cache, *args))
+    curve = [x["dflash/loss"] for x in fresh["train_curves"]["dflash"]]
+    assert curve == [x["dflash/loss"] for x in cached["train_curves"]["dflash"]] and curve

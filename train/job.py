@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from accelerate import Accelerator
+from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from data.batching import DataReport, data_scalars, padding_fraction, rank_shard
@@ -53,6 +54,7 @@ def open_job(cfg: DictConfig, stages: tuple[str, ...]) -> Job:
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
     target.to(accelerator.device)
+    set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
