@@ -13,9 +13,9 @@ Overrides go to every job, except ``dflash.*`` ones, which go to the DFlash jobs
 
 Prints per job: trainable tokens/s (response tokens trained per second, all ranks) and tokens/s (all attended
 tokens), after the first logging window; model TFLOP/s per process (matrix-product FLOPs of the first
-micro-batch counted by torch's FlopCounterMode, attention scores excluded, times attended tokens/s); on a GPU, MFU against the bf16 matrix
-rate measured here (an 8192^3 product); and each job's wall time (data, target states and training). A last
-line ``RESULTS <json>`` carries the same numbers for scripts.
+micro-batch counted by torch's FlopCounterMode, attention scores excluded, times attended tokens/s); on a GPU,
+MFU against the bf16 matrix rate measured here (an 8192^3 product); and each job's wall time (data, target
+states and training). A last line ``RESULTS <json>`` carries the same numbers for scripts.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 # The scale-out GPU check, one run on one GPU: bf16 training of Medusa and DFlash drafters for a ~1.2B random
 # Llama target (hidden 2048, 16 layers, GQA 32/8 heads, MLP 8192), every job of bench_training.py in one process
 # (online vs offline target states), then Medusa stage 2 under FSDP2 and DeepSpeed ZeRO-2/3 and online DFlash
-# under FSDP2, through the shipped launch configs (one process: what a single GPU allows), in under 9 minutes. Prints tokens/s, TFLOP/s and
-# MFU against the matrix rate measured on the same GPU. Logs and RESULTS lines go to $OUT (default /tmp/gpu_check).
+# under FSDP2, through the shipped launch configs (one process: what a single GPU allows), in under 9 minutes.
+# Prints tokens/s, TFLOP/s and MFU against the matrix rate measured on the same GPU. Logs and RESULTS lines go to $OUT (default /tmp/gpu_check).
 #
 #   bash tests/benchmarks/gpu_check.sh
 #   MODEL="model=tiny" STEPS=4 bash tests/benchmarks/gpu_check.sh     # a dry run of the script itself
