@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from data.templates import TemplateRejected, chat_tokens
+from draftheads.data.templates import TemplateRejected, chat_tokens
 
 
 @dataclass

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from data.batching import DataReport
-from data.sources import SOURCES, Prompt, PromptSource, builtin_prompts, hub_rows
+from draftheads.data.batching import DataReport
+from draftheads.data.sources import SOURCES, Prompt, PromptSource, builtin_prompts, hub_rows
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "bard": "assistant",

@@ -14,8 +14,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from data.batching import collate
-from models.target import record_layer_outputs
+from draftheads.data.batching import collate
+from draftheads.models.target import record_layer_outputs
 
 
 @torch.inference_mode()

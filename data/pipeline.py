@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.batching import DataReport, rows_from_chats
-from data.conversations import load_chats
-from data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate
-from data.templates import TemplateRejected, apply_system_policy, check_template, render
+from draftheads.data.batching import DataReport, rows_from_chats
+from draftheads.data.conversations import load_chats
+from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate
+from draftheads.data.templates import TemplateRejected, apply_system_policy, check_template, render
 
 
 def read_chats(data_cfg, tokenizer, report: DataReport, part: str, limit: int, src=None) -> list:

@@ -22,8 +22,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from data.conversations import Chat
-from data.templates import check_template
+from draftheads.data.conversations import Chat
+from draftheads.data.templates import check_template
 
 
 @dataclass

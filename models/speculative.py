@@ -22,7 +22,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from models.target import record_layer_outputs
+from draftheads.models.target import record_layer_outputs
 
 
 @dataclass(frozen=True)
@@ -77,24 +77,6 @@ class ChainDrafter(Protocol):
                 committed to the target's cache since the previous call (the prompt, then each step's verified
                 tokens); None when ``target_layer_ids`` is empty.
         """
-
-
-class MedusaDrafter:
-    """Medusa heads as a chain drafter (Medusa paper, section 2.1.2, chain case): head k's distribution is
-    the proposal for position k; it ignores ``last_token`` (the heads see the hidden state only)."""
-    name = "medusa_chain"
-    target_layer_ids = ()
-
-    def __init__(self, heads, lm_head):
-        self.heads, self.lm_head = heads, lm_head
-        self.gamma = heads.num_heads
-
-    def start(self) -> None:
-        pass
-
-    @torch.inference_mode()
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None) -> torch.Tensor:
-        return self.heads(hidden_state, lm_head=self.lm_head)
 
 
 @dataclass

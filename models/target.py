@@ -26,6 +26,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from draftheads.choice import Choice
+from draftheads.packaged import chitchat_conversations
+
 # ChatML, as SmolLM2 and Qwen use it; given to the tiny tokenizer.
 CHATML_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -44,6 +47,13 @@ class TinySpec:
     seed: int = 0
 
 
+class Dtype(Choice):
+    """Weights dtype of a target (``model.dtype``) or of the state cache on disk (``data.hidden_states_dtype``)."""
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 @dataclass
 class TargetSpec:
     """Where the target model comes from (the ``model`` config group)."""
@@ -53,7 +63,7 @@ class TargetSpec:
     switches the target whatever the preset."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids."""
-    dtype: str = "float32"
+    dtype: Dtype = Dtype.float32
     """Weights dtype: float32, bfloat16 or float16."""
     chat_template: str | None = None
     """A Jinja chat template (the text, or a path to a file holding it) replacing the tokenizer's own, for a
@@ -136,7 +146,6 @@ def tiny_tokenizer(vocab_size: int, corpus: list[str]) -> PreTrainedTokenizerBas
 
 
 def _tiny_corpus() -> list[str]:
-    from data.sources import chitchat_conversations
     texts = [m for conv in chitchat_conversations()[:1500] for m in conv.messages]
     return texts + ["def add(a, b):\n    return a + b\n", "    \"\"\" Return the sum.\n    >>> f(1)\n"] * 20
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from models.speculative import ChainDrafter, DecodeResult, _cut, _forward
+from draftheads.models.speculative import ChainDrafter, DecodeResult, _cut, _forward
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from models.target import TINY, TargetSpec, load_target
+from draftheads.models.target import TINY, TargetSpec, load_target
 
 
 @pytest.fixture(scope="session")

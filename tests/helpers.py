@@ -1,12 +1,34 @@
-"""Pieces several test modules share: a stub drafter base and a real 2-process launch under any engine."""
+"""Pieces several test modules share (no test module imports another): the repository's config folder and the
+smoke job's settings, the training jobs as functions, a stub drafter base, and a real 2-process launch under any
+engine."""
 
 import json
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
+from hydra import compose, initialize_config_dir
+
+from draftheads.drafters import register_configs
+from draftheads.jobs.train import train
+
 ROOT = Path(__file__).resolve().parents[1]
+CONF = str(ROOT / "conf")
+SMOKE_STAGES = ["stage1.epochs=4", "stage2.epochs=1", "stage2.unfreeze_last_n_layers=2"]
+"""Medusa smoke stages: enough steps on the tiny target for the loss to fall and stage 2 to change layers."""
+
+register_configs()
+run_medusa = partial(train, "medusa")
+run_dflash = partial(train, "dflash")
+
+
+def smoke(job: str, output_dir, cache_dir, *overrides: str):
+    """``job``'s config with ``+experiment=smoke`` (tiny target, no tracker), the run in ``output_dir``."""
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        return compose(job, overrides=["+experiment=smoke", f"output_dir={output_dir}", f"cache_dir={cache_dir}",
+                                       *overrides])
 
 
 class StubDrafter:

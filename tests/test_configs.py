@@ -6,13 +6,15 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 
-from train.config import DFlashRunConfig, MedusaRunConfig, register_configs, to_schema
+from draftheads.drafters import DRAFTERS, get, register_configs
+from draftheads.drafters.medusa.config import MedusaRunConfig
+from draftheads.training.config import to_schema
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 register_configs()
 
 
-JOBS = {"medusa": MedusaRunConfig, "dflash": DFlashRunConfig}
+JOBS = {name: get(name).schema for name in DRAFTERS}
 
 
 def _compose(*overrides, job="medusa"):
@@ -55,6 +57,35 @@ def test_overrides_from_the_command_line():
     assert (cfg.medusa.num_heads, cfg.stage2.unfreeze_last_n_layers, cfg.trainer.lr) == (3, 2, 1e-3)
 
 
+def test_every_registered_drafter_has_a_config_and_records_its_name():
+    for name in DRAFTERS:
+        assert to_schema(_compose(job=name)).drafter == name
+    with pytest.raises(ValueError, match=r"unknown drafter 'eagle'; registered drafters: \['dflash', 'medusa'\]"):
+        get("eagle")
+
+
+@pytest.mark.parametrize("job, override, valid", [
+    ("medusa", "trainer.nonfinite=sikp", "stop, skip"),
+    ("medusa", "trainer.mixed_precision=bf32", "bf16, fp16, no"),
+    ("medusa", "tracker.name=mlflow", "wandb, tensorboard, none"),
+    ("medusa", "data.hidden_states=disk", "memory, offline"),
+    ("medusa", "data.hidden_states_dtype=fp8", "float32, bfloat16, float16"),
+    ("medusa", "data.overlong=cut", "truncate, drop"),
+    ("medusa", "data.train_on=first", "all, last"),
+    ("medusa", "data.system=merge", "auto, keep, fold, drop"),
+    ("medusa", "data.format=csv", "auto, messages, sharegpt, prompt, tokenized"),
+    ("medusa", "data.source=s3", "chitchat, humaneval, jsonl, hub"),
+    ("medusa", "model.dtype=int8", "float32, bfloat16, float16"),
+    ("dflash", "dflash.features=offline", "precomputed, online"),
+    ("dflash", "dflash.attention=xformers", "auto, flex, sdpa"),
+])
+def test_a_choice_outside_its_words_fails_when_the_config_is_composed(job, override, valid):
+    """Before any work: not at the use site, hours into a run."""
+    with pytest.raises(ConfigCompositionException) as error:
+        _compose(override, job=job)
+    assert f"expected one of [{valid}]" in str(error.value.__cause__ or error.value)
+
+
 def test_unknown_key_is_an_error():
     with pytest.raises(ConfigCompositionException, match="trainer.learning_rate"):
         _compose("trainer.learning_rate=1e-3")
@@ -75,13 +106,13 @@ def test_hf_model_requires_a_name():
 def test_overriding_the_model_name_alone_switches_the_target():
     cfg = to_schema(_compose("model.name_or_path=Qwen/Qwen3-0.6B"))
     assert cfg.model.name_or_path == "Qwen/Qwen3-0.6B"
-    from models.target import resolve_target_path
+    from draftheads.models.target import resolve_target_path
     assert resolve_target_path(cfg.model, "/nonexistent") == "Qwen/Qwen3-0.6B"  # a hub id, loaded by transformers
 
 
 def test_a_preset_model_gives_way_to_an_explicit_name(tmp_path):
     """+experiment=smoke picks the tiny model, but model.name_or_path still decides what is loaded."""
-    from models.target import resolve_target_path
+    from draftheads.models.target import resolve_target_path
     cfg = to_schema(_compose("+experiment=smoke", "model.name_or_path=/nonexistent/model.gguf"))
     with pytest.raises(FileNotFoundError, match="model.name_or_path='/nonexistent/model.gguf'"):
         resolve_target_path(cfg.model, tmp_path)

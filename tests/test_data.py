@@ -13,14 +13,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-import data.regenerate as regen_mod
-from data.batching import DataReport, collate, epoch_batches, rank_shard, rows_from_chats
-from data.conversations import Chat, first_user_prompts, load_chats
-from data.hidden_states import attach_hidden_states
-from data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
-from data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
+import draftheads.data.regenerate as regen_mod
+from draftheads.data.batching import DataReport, collate, epoch_batches, rank_shard, rows_from_chats
+from draftheads.data.conversations import Chat, first_user_prompts, load_chats
+from draftheads.data.hidden_states import attach_hidden_states
+from draftheads.data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
+from draftheads.data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
                           PromptSource, chitchat_prompts, humaneval_prompts)
-from models.target import TINY, TargetSpec, load_target
+from draftheads.models.target import TINY, TargetSpec, load_target
 
 ALL = 10**9  # a limit no source reaches
 REAL_GENERATE = regen_mod.generate_ids  # before any test monkeypatches it
@@ -119,7 +119,7 @@ def test_chitchat_limit_and_char_bounds():
 def test_chitchat_is_deterministic_across_processes():
     """Same prompts in a fresh interpreter with another str-hash salt (the split must not use hash())."""
     here = [asdict(p) for p in chitchat_prompts("eval", 30)]
-    code = ("import json; from dataclasses import asdict; from data.sources import chitchat_prompts; "
+    code = ("import json; from dataclasses import asdict; from draftheads.data.sources import chitchat_prompts; "
             "print(json.dumps([asdict(p) for p in chitchat_prompts('eval', 30)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,

@@ -12,11 +12,12 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from data.conversations import BadRow, load_chats
-from data.pipeline import self_distilled_rows
-from data.regenerate import GenerationSettings, OpenAIBackend, answer_turns
-from data.sources import PromptSource
-from train.config import DataConfig, register_configs
+from draftheads.data.conversations import BadRow, load_chats
+from draftheads.data.pipeline import self_distilled_rows
+from draftheads.data.regenerate import GenerationSettings, OpenAIBackend, answer_turns
+from draftheads.data.sources import PromptSource
+from draftheads.drafters import register_configs
+from draftheads.training.config import DataConfig
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 register_configs()
@@ -184,7 +185,7 @@ def test_server_backend_answers_turn_by_turn_retries_and_reports_failures(server
 
 def test_regenerate_cli_accounts_for_every_row_and_resumes(server, tmp_path, cache_dir):
     """written + failed + skipped == read; a rerun retries only the failed rows and completes the output."""
-    from train.regenerate import run
+    from draftheads.jobs.regenerate import regenerate_data as run
     lines = [json.dumps({"messages": [{"role": "user", "content": t}]}).encode() for t in ("a", "broken", "c")]
     source = write_jsonl(tmp_path / "in.jsonl", lines + [BAD["unknown_role"], BAD["invalid_json"]])
     out = tmp_path / "out.jsonl"
@@ -207,7 +208,7 @@ def test_regenerate_cli_accounts_for_every_row_and_resumes(server, tmp_path, cac
 
 
 def test_chat_template_option_takes_jinja_text_or_a_file(tmp_path, cache_dir):
-    from models.target import TINY, TargetSpec, load_tokenizer
+    from draftheads.models.target import TINY, TargetSpec, load_tokenizer
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     path = tmp_path / "template"
     path.write_text(template)

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from data.hidden_states import layer_features
-from models.dflash import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, default_decay,
+from draftheads.data.hidden_states import layer_features
+from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, default_decay,
                            default_target_layer_ids, dflash_loss, sample_anchors)
-from models.export.dflash import expected_shapes, export_dflash, load_dflash
-from models.speculative import Sampling, plain_decode, speculative_decode
-from models.target import record_layer_outputs
+from draftheads.drafters.dflash.export import expected_shapes, export_dflash, load_dflash
+from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
+from draftheads.models.target import record_layer_outputs
 
 LAYERS = [0, 2, 3]
 
@@ -172,7 +172,7 @@ def test_labels_are_not_shifted_a_drafter_learns_a_deterministic_sequence(tiny):
 
 def test_greedy_dflash_decoding_equals_plain_greedy(tiny, drafter):
     """With one pass and with iterative denoising, an untrained drafter still gives plain greedy's tokens."""
-    from data.regenerate import prompt_ids
+    from draftheads.data.regenerate import prompt_ids
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "Tell me something about the weather today"))
     plain = plain_decode(model, ids, 40, None)
@@ -185,7 +185,7 @@ def test_greedy_dflash_decoding_equals_plain_greedy(tiny, drafter):
 
 def test_a_drafter_that_knows_the_features_gets_whole_blocks_accepted(tiny):
     """Block positions copy the target's greedy continuation when the drafter is trained on it: high tau."""
-    from data.regenerate import prompt_ids
+    from draftheads.data.regenerate import prompt_ids
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "hello there"))
     truth = plain_decode(model, ids, 30, None).tokens
@@ -202,7 +202,7 @@ def test_a_drafter_that_knows_the_features_gets_whole_blocks_accepted(tiny):
 
 
 def test_sampled_dflash_decoding_is_reproducible(tiny, drafter):
-    from data.regenerate import prompt_ids
+    from draftheads.data.regenerate import prompt_ids
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "hi"))
     runs = [speculative_decode(model, DFlashDrafter(drafter), ids, 20, None, Sampling(0.8),

@@ -4,29 +4,18 @@ run, exact resume, 2-process DDP."""
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from models.export.dflash import load_dflash
-from models.target import TINY, TargetSpec, load_target
-from train.config import register_configs
-from train.dflash import load_medusa_peer
-from train.dflash import run as run_dflash
-from train.medusa import run as run_medusa
-from tests.helpers import launch
-
-ROOT = Path(__file__).resolve().parents[1]
-register_configs()
-
-
-def cfg(job, output_dir, cache_dir, *overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(job, overrides=["+experiment=smoke", f"output_dir={output_dir}", f"cache_dir={cache_dir}",
-                                       *overrides])
+from draftheads.drafters.dflash.export import load_dflash
+from draftheads.jobs.evaluate import cli as evaluate_main
+from draftheads.jobs.export import cli as export_main
+from draftheads.jobs.runs import load_peer_runs
+from draftheads.models.target import TINY, TargetSpec, load_target
+from tests.helpers import launch, run_dflash, run_medusa
+from tests.helpers import smoke as cfg
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +29,11 @@ def medusa_run(tmp_path_factory, cache_dir):
 def dflash_run(tmp_path_factory, cache_dir, medusa_run):
     out = tmp_path_factory.mktemp("dflash")
     report = run_dflash(cfg("dflash", out, cache_dir, "train.epochs=6", "trainer.keep_last=100",
-                            f"dflash.medusa_run={medusa_run}", "dflash.block_size=8"))
+                            f"eval.peer_runs=[{medusa_run}]", "dflash.block_size=8"))
     return out, report
 
 
-def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache_dir):
+def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache_dir, medusa_run):
     out, report = dflash_run
     assert (out / "acceptance.png").stat().st_size > 1000 and (out / "report.json").exists()
     curve = [h["dflash/loss"] for h in report["train_curves"]["dflash"]]
@@ -61,16 +50,14 @@ def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache
         assert len(m["peers"]["dflash_denoise4"]["acceptance_rate_per_position"]) == 7
         assert len(m["peers"]["medusa_chain"]["acceptance_rate_per_position"]) == 4  # the peer's own gamma
         assert m["peers"]["dflash_denoise4"]["time_split_s"]["draft"] > 0
-    assert report["medusa_peer"].startswith("Medusa heads of")
-    # the export reloads strictly and is the trained drafter
+    assert report["peer_runs"] == [f"{medusa_run}: medusa, measured"]
+    assert report["drafter"] == "dflash" and report["finished"] == ["training", "validation", "save", "export",
+                                                                     "evaluation"]
+    # the export reloads strictly and is the trained drafter, the run's saved model: nothing else to export
     target, _, _ = load_target(TargetSpec(name_or_path=TINY), cache_dir)
     drafter = load_dflash(out / "export" / "dflash", target)
-    assert drafter.block_size == 8 and list(drafter.target_layer_ids) == report["drafter"]["target_layer_ids"]
-    from train.export import main as export_main  # rewrites the same files from the strict reload
-    before = load_file(str(out / "export" / "dflash" / "model.safetensors"))
-    assert export_main([str(out)]) == {"dflash": str(out / "export" / "dflash")}
-    after = load_file(str(out / "export" / "dflash" / "model.safetensors"))
-    assert all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
+    assert drafter.block_size == 8 and list(drafter.target_layer_ids) == report["drafter_config"]["target_layer_ids"]
+    assert report["exports"] == {"dflash": str(out / "export" / "dflash")} and export_main([str(out)]) == {}
 
 
 def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cache_dir, medusa_run):
@@ -81,27 +68,33 @@ def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cac
         if d.name != "dflash-step000005":
             shutil.rmtree(d)
     report = run_dflash(cfg("dflash", cut, cache_dir, "train.epochs=6", "resume=true", "eval.enabled=false",
-                            f"dflash.medusa_run={medusa_run}", "dflash.block_size=8"))
+                            f"eval.peer_runs=[{medusa_run}]", "dflash.block_size=8"))
     assert report["train_curves"]["dflash"][0]["step"] > 5
     a, b = (load_file(str(d / "export" / "dflash" / "model.safetensors")) for d in (out, cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_medusa_run_for_another_target_is_refused(medusa_run):
-    identity = json.loads((medusa_run / "medusa_heads" / "medusa_heads.json").read_text())["target"]
-    assert load_medusa_peer(str(medusa_run), identity)[0] is not None
-    with pytest.raises(ValueError, match="another target.*hidden_size"):
-        load_medusa_peer(str(medusa_run), {**identity, "hidden_size": 32})
-    heads, _, note = load_medusa_peer(str(medusa_run / "nothing"), identity)
-    assert heads is None and "no finished Medusa run" in note
+def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny):
+    """Any finished run is measured beside another for the same target; a missing run or one made for another
+    target is skipped and says why, never a failure."""
+    model, _ = tiny
+    identity = json.loads((medusa_run / "target.json").read_text())
+    peers, notes = load_peer_runs([str(medusa_run)], identity, model)
+    assert [p.recipe.name for p in peers] == ["medusa"] and notes == [f"{medusa_run}: medusa, measured"]
+    assert peers[0].trained.saved["head_rank_accuracy"]  # the tree's accuracies travel with the heads
+    peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], {**identity, "hidden_size": 32},
+                                  model)
+    assert peers == [] and len(notes) == 2
+    assert "skipped (made for another target" in notes[0] and "hidden_size" in notes[0]
+    assert "skipped" in notes[1] and "not a run directory" in notes[1]
 
 
 def test_online_features_train_like_offline_ones(tiny):
     """The online mode (target forward per batch) computes the same loss as cached features."""
-    from data.batching import collate
-    from data.hidden_states import attach_hidden_states
-    from models.dflash import DFlashDraftModel
-    from train.strategies import DFlashTraining
+    from draftheads.data.batching import collate
+    from draftheads.data.hidden_states import attach_hidden_states
+    from draftheads.drafters.dflash.model import DFlashDraftModel
+    from draftheads.drafters.dflash.training import DFlashTraining
     model, tok = tiny
     rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
     torch.manual_seed(0)
@@ -119,7 +112,7 @@ def test_online_features_train_like_offline_ones(tiny):
 
 def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
     report = launch("dflash", tmp_path / "ddp", cache_dir, "train.epochs=6", "dflash.block_size=8",
-                        "dflash.medusa_run=null")
+                        "eval.peer_runs=[]")
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
     steps = report["train_curves"]["dflash"][-1]["step"]
     assert steps == dflash_run[1]["train_curves"]["dflash"][-1]["step"] // 2
@@ -127,7 +120,6 @@ def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
 
 def test_evaluate_a_saved_dflash_run_with_sampling(dflash_run):
     """train/evaluate.py on the DFlash run at T 0 and 0.7: denoising is greedy-only."""
-    from train.evaluate import main as evaluate_main
     out, _ = dflash_run
     report = evaluate_main([str(out), "eval.temperatures=[0,0.7]", "eval.max_new_tokens=10"])
     assert set(report["eval"]) == {"chitchat", "humaneval", "chitchat@T0.7", "humaneval@T0.7"}
@@ -141,7 +133,7 @@ def test_resuming_in_another_jobs_run_directory_is_refused(medusa_run, cache_dir
     other = tmp_path / "medusa_copy"
     shutil.copytree(medusa_run / "checkpoints", other / "checkpoints")
     with pytest.raises(ValueError, match="stage 'stage1', not one of this job's \\['dflash'\\]"):
-        run_dflash(cfg("dflash", other, cache_dir, "resume=true", "dflash.medusa_run=null"))
+        run_dflash(cfg("dflash", other, cache_dir, "resume=true", "eval.peer_runs=[]"))
 
 
 @pytest.mark.parametrize("job", ["medusa", "dflash"])
@@ -149,7 +141,7 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     """Drafters train in float32 beside a bf16 target, then are validated, evaluated and exported in the
     target's dtype, as a server runs them (float32 drafters met bf16 target states in validation before)."""
     run = run_medusa if job == "medusa" else run_dflash
-    extra = ["stage1.epochs=1", "stage2.epochs=0.5"] if job == "medusa" else ["train.epochs=1", "dflash.medusa_run=null"]
+    extra = ["stage1.epochs=1", "stage2.epochs=0.5"] if job == "medusa" else ["train.epochs=1", "eval.peer_runs=[]"]
     report = run(cfg(job, tmp_path, cache_dir, "model.dtype=bfloat16", "eval.max_new_tokens=8",
                      "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]", *extra))
     assert report["dtype"] == "bfloat16"
@@ -164,7 +156,7 @@ def test_a_run_that_regenerates_trains_like_one_that_reads_the_cache(tmp_path):
     """Regeneration draws from its own seeded RNG: DFlash's anchor sampling afterwards (global RNG) is the same
     whether the run answered the prompts itself or read them from the cache (it differed before)."""
     cache = tmp_path / "cache"
-    args = ["train.epochs=2", "dflash.block_size=8", "dflash.medusa_run=null", "eval.enabled=false", "export=false"]
+    args = ["train.epochs=2", "dflash.block_size=8", "eval.peer_runs=[]", "eval.enabled=false", "export=false"]
     fresh = run_dflash(cfg("dflash", tmp_path / "fresh", cache, *args))
     cached = run_dflash(cfg("dflash", tmp_path / "cached", cache, *args))
     curve = [x["dflash/loss"] for x in fresh["train_curves"]["dflash"]]

@@ -7,9 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from models.export.medusa import (export_tgi_medusa, export_vllm_medusa, load_heads, load_tgi_medusa,
+from draftheads.drafters.medusa.export import (export_tgi_medusa, export_vllm_medusa, load_heads, load_tgi_medusa,
                                   load_vllm_medusa, save_heads)
-from models.medusa import MedusaHeads
+from draftheads.drafters.medusa.heads import MedusaHeads
 
 D, V, K, L = 16, 50, 3, 2
 

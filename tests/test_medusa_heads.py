@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from models.medusa import MedusaHeads, medusa_loss, medusa_targets
+from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
 
 
 def test_fresh_heads_are_identity_and_predict_like_the_lm_head():

@@ -6,26 +6,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from models.export.medusa import load_heads, load_tgi_medusa, load_vllm_medusa
-from train.config import register_configs
-from train.medusa import run
-from tests.helpers import launch
-
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
-ROOT = Path(__file__).resolve().parents[1]
-register_configs()
-
-
-SMOKE_STAGES = ["stage1.epochs=4", "stage2.epochs=1", "stage2.unfreeze_last_n_layers=2"]
+from draftheads.drafters.medusa.export import load_heads, load_tgi_medusa, load_vllm_medusa
+from draftheads.jobs.evaluate import cli as evaluate_main
+from tests.helpers import SMOKE_STAGES, launch, smoke
+from tests.helpers import run_medusa as run
 
 
 def smoke_cfg(output_dir, cache_dir, *overrides):
-    with initialize_config_dir(config_dir=CONF, version_base=None):
-        return compose("medusa", overrides=["+experiment=smoke", *SMOKE_STAGES, f"output_dir={output_dir}",
-                                            f"cache_dir={cache_dir}", *overrides])
+    return smoke("medusa", output_dir, cache_dir, *SMOKE_STAGES, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +37,7 @@ def test_smoke_run_trains_evaluates_and_exports(smoke_run):
             assert m["peers"][peer]["greedy_match"] == 1.0 and m["peers"][peer]["acceptance_length"] >= 1.0
         assert len(m["accepted_histogram"]) == m["gamma"] + 1 and sum(m["accepted_histogram"]) > 0
     assert len(report["head_rank_accuracy"]) == 4 and report["head_rank_accuracy"][0][0] > 0
-    from train.evaluation import flat_metrics
+    from draftheads.evaluation.evaluator import flat_metrics
     assert {"eval/chitchat/medusa_chain/acceptance_length", "eval/chitchat/medusa_tree/alpha_pos1",
             "eval/humaneval/prompt_lookup/speedup"} <= flat_metrics(report["eval"]).keys()
     # stage-1 loss falls; heads beat chance (vocab 512) on held-out rows by far
@@ -155,7 +145,6 @@ def test_per_head_lm_heads_train_export_and_stay_lossless(tmp_path, cache_dir):
 def test_evaluate_a_saved_run_with_sampling(smoke_run):
     """train/evaluate.py on the saved run at temperatures 0 and 0.7 in one report: lossless sampling at 0.7
     claims no greedy_match; the greedy sets stay exact."""
-    from train.evaluate import main as evaluate_main
     out, _ = smoke_run
     report = evaluate_main([str(out), "eval.temperatures=[0,0.7]", "eval.max_new_tokens=12"])
     assert set(report["eval"]) == {"chitchat", "humaneval", "chitchat@T0.7", "humaneval@T0.7"}
@@ -173,12 +162,11 @@ def test_evaluate_a_saved_run_with_sampling(smoke_run):
 def test_evaluate_an_export_reloaded_from_disk(smoke_run):
     """What vLLM would load, measured: the export's heads decode exactly like the run's own heads, and
     eval.peers keeps only the methods asked for."""
-    from train.evaluate import main as evaluate_main
     out, _ = smoke_run
     args = [f"run_dir={out}", "eval.max_new_tokens=12", "eval.peers=[medusa_tree]",
             "eval.sets=[{name: served, source: chitchat, num_prompts: 3}]"]
     own = evaluate_main(args)["eval"]["served"]
-    served = evaluate_main(args + ["drafter=export/vllm"])
+    served = evaluate_main(args + ["weights=export/vllm"])
     assert served["evaluations"][-1]["drafter"] == str(out / "export/vllm")
     assert served["evaluations"][-1]["overrides"] == args[1:] and served["evaluations"][-2]["drafter"] == "run"
     m = served["eval"]["served"]
@@ -189,4 +177,4 @@ def test_evaluate_an_export_reloaded_from_disk(smoke_run):
     with pytest.raises(ValueError, match=r"eval.peers: \['dflash'\] not measured.*'medusa_tree', 'prompt_lookup'"):
         evaluate_main(args[:-1] + ["eval.peers=[dflash]"])
     with pytest.raises(FileNotFoundError, match="holds no Medusa heads"):
-        evaluate_main(args + ["drafter=checkpoints"])
+        evaluate_main(args + ["weights=checkpoints"])

@@ -7,12 +7,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from data.regenerate import prompt_ids
-from models.medusa import MedusaHeads
-from models.speculative import MedusaDrafter, plain_decode, speculative_decode
-from models.target import TargetSpec, load_target, resolve_target_path
-from tests.test_medusa_run import CONF
-from train.medusa import run
+from draftheads.data.regenerate import prompt_ids
+from draftheads.drafters.medusa.heads import MedusaHeads
+from draftheads.drafters.medusa.heads import MedusaDrafter
+from draftheads.models.speculative import plain_decode, speculative_decode
+from draftheads.models.target import TargetSpec, load_target, resolve_target_path
+from tests.helpers import CONF
+from tests.helpers import run_medusa as run
 
 pytestmark = pytest.mark.real
 VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
@@ -72,7 +73,7 @@ def test_a_short_real_run_beats_chance_and_stays_lossless(short_real_run):
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
 def test_the_real_runs_medusa_export_reaches_parity_in_vllm(short_real_run):
     """SmolLM2's stage-2 target and its heads as vLLM serves them: identical outputs, the same acceptance."""
-    from train.vllm_parity import main as parity
+    from draftheads.jobs.parity import cli as parity
     out, _ = short_real_run
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 3}]"])

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file
 
 from tests.helpers import ROOT, launch
-from tests.test_medusa_run import SMOKE_STAGES
+from tests.helpers import SMOKE_STAGES
 
 pytest.importorskip("deepspeed")
 
 MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
-DFLASH = ["train.epochs=3", "dflash.block_size=8", "dflash.medusa_run=null", "trainer.mixed_precision=no"]
+DFLASH = ["train.epochs=3", "dflash.block_size=8", "eval.peer_runs=[]", "trainer.mixed_precision=no"]
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -81,7 +81,7 @@ def test_sharded_dflash_runs_train_what_ddp_trains(tmp_path, cache_dir):
     and drafter as DDP."""
     ref = launch("dflash", tmp_path / "ddp", cache_dir, *DFLASH)
     ref_weights = weights(tmp_path / "ddp" / "export" / "dflash")
-    for engine, features in (("fsdp", "offline"), ("zero3", "online")):
+    for engine, features in (("fsdp", "precomputed"), ("zero3", "online")):
         report = launch("dflash", tmp_path / engine, cache_dir, *DFLASH, f"dflash.features={features}", engine=engine)
         assert_same_curve(report["train_curves"]["dflash"], ref["train_curves"]["dflash"], "dflash/loss")
         assert_same_weights(weights(tmp_path / engine / "export" / "dflash"), ref_weights)

@@ -1,9 +1,10 @@
 import pytest
 import torch
 
-from models.medusa import MedusaHeads
-from models.speculative import MedusaDrafter, plain_decode, speculative_decode
-from train.evaluation import summarize
+from draftheads.drafters.medusa.heads import MedusaHeads
+from draftheads.drafters.medusa.heads import MedusaDrafter
+from draftheads.models.speculative import plain_decode, speculative_decode
+from draftheads.evaluation.evaluator import summarize
 from tests.helpers import StubDrafter
 
 
@@ -18,7 +19,7 @@ class RandomDrafter(StubDrafter):
 
 
 def _prompt(tokenizer, text="Tell me about your weekend plans please"):
-    from data.regenerate import prompt_ids
+    from draftheads.data.regenerate import prompt_ids
     return torch.tensor(prompt_ids(tokenizer, text))
 
 
@@ -79,7 +80,7 @@ def test_eos_stops_both_decoders_at_the_same_token(tiny):
 
 
 def test_summary_counts_conditional_and_cumulative_acceptance():
-    from models.speculative import DecodeResult
+    from draftheads.models.speculative import DecodeResult
     spec = DecodeResult(tokens=[1] * 9, target_forwards=4, seconds=1.0, accepted_per_step=[2, 0, 1],
                         emitted_per_step=[3, 1, 2])
     plain = DecodeResult(tokens=[1] * 9, target_forwards=9, seconds=2.0)

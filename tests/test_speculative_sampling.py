@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from models.speculative import Sampling, accept_chain, plain_decode, prompt_lookup_decode, speculative_decode
+from draftheads.models.speculative import Sampling, accept_chain, plain_decode, prompt_lookup_decode, speculative_decode
 from tests.helpers import StubDrafter
 
 Z_999 = 3.0902  # standard normal quantile for 1 - 1e-3

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from safetensors.torch import load_file
 
-from data.hidden_states import attach_hidden_states
-from data.state_cache import CacheSpec, cache_spec, read_cache, write_cache, write_manifest
+from draftheads.data.hidden_states import attach_hidden_states
+from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache, write_cache, write_manifest
+from draftheads.jobs.cache import cache_states
+from tests.helpers import SMOKE_STAGES, run_dflash, run_medusa, smoke
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -104,35 +105,29 @@ def test_the_weights_fingerprint_tells_targets_apart(tiny, tmp_path):
             model.lm_head.weight[0, 0] -= 1.0
 
 
-def smoke(job, out, cache_dir, *overrides):
-    from tests.test_medusa_run import SMOKE_STAGES
-    extra = SMOKE_STAGES if job == "medusa" else []
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        return compose(job, overrides=["+experiment=smoke", *extra, f"output_dir={out}", f"cache_dir={cache_dir}",
-                                       "stage2.enabled=false" if job == "medusa" else "train.epochs=1",
-                                       "eval.enabled=false", *overrides])
+def short(job, out, cache_dir, *overrides):
+    """A smoke job with one stage and no evaluation."""
+    extra = [*SMOKE_STAGES, "stage2.enabled=false"] if job == "medusa" else ["train.epochs=1"]
+    return smoke(job, out, cache_dir, *extra, "eval.enabled=false", *overrides)
 
 
 def test_training_on_the_offline_cache_follows_the_in_memory_curve(tmp_path, cache_dir):
-    from train.cache_hidden_states import run as cache_states
-    from train.medusa import run as train_medusa
     hs = tmp_path / "hs"
-    folder = cache_states(smoke("medusa", tmp_path / "a", cache_dir, f"data.hidden_states_dir={hs}",
+    folder = cache_states(short("medusa", tmp_path / "a", cache_dir, f"data.hidden_states_dir={hs}",
                                 "data.hidden_states_dtype=float32", "data.cache_shard_rows=16"))
     manifest = json.loads((Path(folder) / "manifest.json").read_text())
-    offline = train_medusa(smoke("medusa", tmp_path / "b", cache_dir, "data.hidden_states=offline",
+    offline = run_medusa(short("medusa", tmp_path / "b", cache_dir, "data.hidden_states=offline",
                                  f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32"))
     n = offline["data"]["rows_out"]  # training and validation rows, all cached
     assert manifest["num_rows"] == n and len(manifest["shards"]) == -(-n // 16) > 1
-    memory = train_medusa(smoke("medusa", tmp_path / "c", cache_dir))
+    memory = run_medusa(short("medusa", tmp_path / "c", cache_dir))
     a, b = offline["train_curves"]["stage1"], memory["train_curves"]["stage1"]
     assert [x["step"] for x in a] == [x["step"] for x in b]
     for x, y in zip(a, b):
         assert x["stage1/loss"] == pytest.approx(y["stage1/loss"], rel=1e-4)
     with pytest.raises(ValueError, match="another layer_ids"):  # a DFlash job cannot read Medusa's cache
-        from train.dflash import run as train_dflash
-        train_dflash(smoke("dflash", tmp_path / "d", cache_dir, "data.hidden_states=offline",
-                           f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", "dflash.medusa_run=null"))
+        run_dflash(short("dflash", tmp_path / "d", cache_dir, "data.hidden_states=offline",
+                           f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", "eval.peer_runs=[]"))
 
 
 def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):

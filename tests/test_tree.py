@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from data.regenerate import prompt_ids
-from models.medusa import MedusaHeads
-from models.speculative import MedusaDrafter, plain_decode
-from models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
+from draftheads.data.regenerate import prompt_ids
+from draftheads.drafters.medusa.heads import MedusaHeads
+from draftheads.drafters.medusa.heads import MedusaDrafter
+from draftheads.models.speculative import plain_decode
+from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
 from tests.helpers import StubDrafter
 
 CHOICES = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0), (0, 0, 0, 0)]

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.speculative import speculative_decode
-from tests.helpers import StubDrafter
-from train.vllm_parity import TOLERANCE, acceptance, compare, our_side
-from train.vllm_runner import parse_prometheus
+from draftheads.models.speculative import speculative_decode
+from draftheads.jobs.train import train
+from tests.helpers import StubDrafter, smoke
+from draftheads.evaluation.parity import TOLERANCE, acceptance, compare, our_side
+from draftheads.evaluation.vllm_runner import parse_prometheus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,18 +78,10 @@ VLLM_TINY = ["model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "
 def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, job):
     """A tiny random target and its smoke-trained drafter in real vLLM: token-identical greedy outputs and
     equal acceptance (parity must hold for any weights), through the offline API."""
-    from hydra import compose, initialize_config_dir
-
-    from train.vllm_parity import main as parity
+    from draftheads.jobs.parity import cli as parity
     out = tmp_path / job
-    overrides = ["+experiment=smoke", *VLLM_TINY, f"output_dir={out}", f"cache_dir={cache_dir}", "eval.enabled=false"]
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
-        if job == "medusa":
-            from train.medusa import run
-            run(compose("medusa", overrides=overrides + ["stage2.enabled=false"]))
-        else:
-            from train.dflash import run
-            run(compose("dflash", overrides=overrides + ["dflash.medusa_run=null", "dflash.block_size=8"]))
+    own = ["stage2.enabled=false"] if job == "medusa" else ["eval.peer_runs=[]", "dflash.block_size=8"]
+    train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *own))
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])
     assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0

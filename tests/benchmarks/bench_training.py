@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
+from draftheads.drafters import register_configs
+from draftheads.jobs.cache import cache_states
+from draftheads.jobs.train import train
 
-from train.config import register_configs  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 register_configs()
 
@@ -43,10 +44,8 @@ def job(name: str, overrides: list[str]) -> dict:
 
 
 def run_job(name: str, overrides: list[str]) -> tuple[dict, float]:
-    from train.dflash import run as dflash
-    from train.medusa import run as medusa
     start = time.perf_counter()
-    report = (medusa if name == "medusa" else dflash)(job(name, overrides))
+    report = train(name, job(name, overrides))
     return report, time.perf_counter() - start
 
 
@@ -90,7 +89,7 @@ def main(argv: list[str]) -> None:
               f"trainer.checkpoint_every={10 ** 6}", "data.num_train_prompts=64", "data.num_val_prompts=8", *user]
     medusa = [*common, "stage1.max_steps=" + str(steps), "stage1.epochs=100", "stage2.enabled=false"]
     cache = [f"data.hidden_states_dir={out / 'hs'}"]
-    dflash = [*common, f"train.max_steps={steps}", "train.epochs=100", "dflash.medusa_run=null"]
+    dflash = [*common, f"train.max_steps={steps}", "train.epochs=100", "eval.peer_runs=[]"]
     plans = {
         "stage1": ("medusa stage 1, states in memory", "medusa", medusa, "stage1"),
         "stage1_offline": ("medusa stage 1, offline cache", "medusa",
@@ -106,7 +105,6 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"unknown jobs {sorted(unknown)}; choose from cache, {', '.join(plans)}")
     rows, cache_s = [], None
     if "cache" in wanted:
-        from train.cache_hidden_states import run as cache_states
         start = time.perf_counter()
         cache_states(job("medusa", [*medusa, f"output_dir={out / 'cache'}", *cache]))
         cache_s = time.perf_counter() - start

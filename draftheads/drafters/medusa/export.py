@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from models.export import check_tensors
-from models.medusa import MedusaHeads
+from draftheads.models.export import check_tensors
+from draftheads.drafters.medusa.heads import MedusaHeads
 
 VLLM_WEIGHTS = "model.safetensors"
 TGI_WEIGHTS = "medusa_lm_head.safetensors"

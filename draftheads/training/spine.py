@@ -23,9 +23,9 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from data.batching import collate, epoch_batches, rank_shard
-from train.checkpoint import save_checkpoint
-from train.sharding import configure_engine, full_state_dict, plain_twin, sharded
+from draftheads.data.batching import collate, epoch_batches, rank_shard
+from draftheads.training.checkpoint import save_checkpoint
+from draftheads.training.sharding import configure_engine, full_state_dict, plain_twin, sharded
 
 
 # trainer.count_flops counts matrix products only: torch's attention formulas reject grouped-query shapes
@@ -51,6 +51,17 @@ class Strategy(Protocol):
     def adopt(self, module: nn.Module) -> None:
         """Take ``module``, a plain copy of ``self.module`` holding the trained weights, in its place (after
         training under FSDP or DeepSpeed, whose prepared module is sharded)."""
+
+
+class ModuleStrategy:
+    """A strategy whose module computes ``(loss, metrics)`` itself: ``forward_loss`` calls it, ``adopt`` takes
+    the plain copy. Subclasses set ``name``, ``module``, ``required_fields`` and ``param_groups``."""
+
+    def forward_loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return module(batch)
+
+    def adopt(self, module: nn.Module) -> None:
+        self.module = module
 
 
 @dataclass
@@ -108,8 +119,8 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
     if total_steps < 1:
         raise ValueError(f"{strategy.name}: {len(shard)} rows per process, batch_size {trainer.batch_size} and "
                          f"grad_accum {trainer.grad_accum} give no optimizer step; add data or epochs")
-    if trainer.nonfinite not in ("stop", "skip") or (trainer.nonfinite == "skip" and trainer.grad_accum != 1):
-        raise ValueError(f"trainer.nonfinite={trainer.nonfinite!r} must be stop, or skip with grad_accum 1 "
+    if trainer.nonfinite == "skip" and trainer.grad_accum != 1:
+        raise ValueError(f"trainer.nonfinite=skip needs trainer.grad_accum 1 (it is {trainer.grad_accum}) "
                          f"(skipping part of an accumulation window would desynchronise the ranks' gradients)")
 
     configure_engine(accelerator, trainer)
@@ -207,8 +218,6 @@ def _autocast(device: torch.device, mixed_precision: str):
     autocast but neither an FSDP2 one (which computes with bf16 weight copies, while the frozen target keeps its
     own dtype) nor DeepSpeed's (whose bf16 mode casts the trainable module, likewise)."""
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
-    if mixed_precision not in (*dtypes, "no"):
-        raise ValueError(f"trainer.mixed_precision={mixed_precision!r} must be bf16, fp16 or no")
     return torch.autocast(device.type, dtypes.get(mixed_precision), enabled=mixed_precision != "no")
 
 

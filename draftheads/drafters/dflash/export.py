@@ -24,9 +24,9 @@ from pathlib import Path
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
-from models.dflash import DFlashDraftModel
-from models.export import check_tensors
-from models.target import decoder_layers
+from draftheads.drafters.dflash.model import DFlashDraftModel
+from draftheads.models.export import check_tensors
+from draftheads.models.target import decoder_layers
 
 WEIGHTS = "model.safetensors"
 

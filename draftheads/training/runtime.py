@@ -15,7 +15,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from train.sharding import check_engine, keep_models_whole
+from draftheads.training.sharding import check_engine, keep_models_whole
 
 TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
 
@@ -25,18 +25,15 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
 
     W&B runs offline unless an API key is set (``WANDB_API_KEY`` or ``wandb login``), so a run never
     blocks on a network. A resumed run reuses its W&B run id (stored in ``output_dir/wandb_run_id``).
-    Raises ``ValueError`` for an unknown tracker name, listing the valid ones.
     """
-    if cfg.tracker.name not in TRACKERS:
-        raise ValueError(f"tracker.name={cfg.tracker.name!r} is not one of {sorted(TRACKERS)}")
-    log_with = TRACKERS[cfg.tracker.name]
+    log_with = TRACKERS[str(cfg.tracker.name)]
     # Rank 0 works alone while the others wait at a barrier (regenerating an uncached dataset, the final
     # validation, export and evaluation): the collective timeout must outlast that, not torch's default.
     timeout = InitProcessGroupKwargs(timeout=timedelta(minutes=cfg.trainer.collective_timeout_min))
     # Without any accelerator, `accelerate launch --multi_gpu` would leave every process believing it is
     # alone (DistributedType.NO); cpu=True makes it real DDP over gloo instead.
     accelerator = Accelerator(cpu=torch.accelerator.current_accelerator() is None, log_with=log_with,
-                              kwargs_handlers=[timeout], mixed_precision=cfg.trainer.mixed_precision,
+                              kwargs_handlers=[timeout], mixed_precision=str(cfg.trainer.mixed_precision),
                               gradient_accumulation_steps=cfg.trainer.grad_accum,
                               project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                                                   logging_dir=str(Path(cfg.output_dir) / "logs")))
@@ -59,7 +56,7 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
             os.environ.setdefault("WANDB_MODE", "offline")
         init_kwargs["wandb"] = {"name": run_name, "dir": cfg.output_dir, "id": _run_id(cfg.output_dir),
                                 "resume": "allow"}
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     if log_with == "tensorboard":  # its hparams take flat scalars only
         config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(config).items()}
     accelerator.init_trackers(cfg.tracker.project, config=config, init_kwargs=init_kwargs)

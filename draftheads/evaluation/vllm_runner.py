@@ -1,8 +1,8 @@
-"""Runs inside the vLLM virtual environment (``train/vllm_parity.py`` creates it): greedy speculative decoding of
+"""Runs inside the vLLM virtual environment (``train/vllm_parity.py`` makes it): greedy speculative decoding of
 given prompt token ids with a draftheads export, through vLLM's offline ``LLM`` API or through the OpenAI server
 (``vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs), and vLLM's own acceptance counters.
 
-    <vllm venv>/bin/python train/vllm_runner.py job.json result.json
+    <vllm venv>/bin/python draftheads/evaluation/vllm_runner.py job.json result.json
 
 Imports nothing from draftheads (that environment has vLLM's pinned transformers, not ours). ``job.json``:
 ``mode`` (offline | serve), ``target``, ``speculative_config``, ``prompts`` (token id lists), ``messages`` (the

@@ -1,5 +1,4 @@
-"""Held-out validation: Medusa head accuracy, how far the target drifted from the original, and DFlash's
-per-position accuracy.
+"""Held-out validation of Medusa heads: head accuracy, and how far the target drifted from the original.
 
 The drift (after stage 2) compares the trained target with the original on held-out rows, teacher-forced:
 KL(original || trained) per next token, greedy-token agreement, and response perplexity under both.
@@ -15,10 +14,10 @@ from collections import defaultdict
 import torch
 import torch.nn.functional as F
 
-from data.batching import collate
-from data.hidden_states import last_hidden_states
-from models.medusa import MedusaHeads, medusa_loss, medusa_targets
-from train.strategies import next_token_positions, self_distillation
+from draftheads.data.batching import collate
+from draftheads.data.hidden_states import last_hidden_states
+from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
+from draftheads.drafters.medusa.training import next_token_positions, self_distillation
 
 
 TOPK_RANKS = 10
@@ -68,31 +67,3 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int,
     out["drift/ppl_change"] = out["drift/ppl_trained"] / out["drift/ppl_original"] - 1
     rank_accuracy = [(rank_hits[k] / max(weights[f"val/head{k + 1}_top1"], 1.0)).tolist() for k in range(heads.num_heads)]
     return out, rank_accuracy
-
-
-@torch.inference_mode()
-def validate_dflash(module, rows: list[dict], batch_size: int, pad_token_id: int, seed: int = 0) -> dict[str, float]:
-    """DFlash loss, per-position accuracy and the training-time tau estimate on held-out ``rows``.
-
-    ``module`` is the DFlash strategy's module (it reads ``row["target_features"]`` or runs the target).
-    Anchors are drawn from a generator seeded with ``seed``, so two calls see the same blocks. Returns
-    ``val/dflash_loss``, ``val/acc_pos{k}``, ``val/alpha_pos{k}`` and ``val/tau_estimate``, averaged over
-    batches weighted by rows.
-    """
-    device = next(module.parameters()).device
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)  # the module draws anchors from the global generator
-    try:
-        sums: dict[str, float] = defaultdict(float)
-        weights: dict[str, float] = defaultdict(float)
-        for s in range(0, len(rows), batch_size):
-            chunk = rows[s:s + batch_size]
-            batch = {k: v.to(device) for k, v in collate(chunk, pad_token_id).items()}
-            loss, metrics = module(batch)
-            for name, value in {"dflash_loss": loss, **metrics}.items():
-                if not math.isnan(float(value)):  # a position no block of this batch reaches
-                    sums[f"val/{name}"] += float(value) * len(chunk)
-                    weights[f"val/{name}"] += len(chunk)
-    finally:
-        torch.random.set_rng_state(state)
-    return {k: sums[k] / weights[k] for k in sums}

@@ -1,7 +1,9 @@
-"""Typed configuration schemas behind ``conf/`` (Hydra structured configs).
+"""Typed configuration schemas behind ``conf/`` (Hydra structured configs): what every job shares.
 
-``conf/medusa.yaml`` extends :class:`MedusaRunConfig` and ``conf/dflash.yaml`` :class:`DFlashRunConfig`; every
-field is documented here, where it is declared, and a key that is not declared is an error.
+Each drafter extends :class:`RunConfig` in its own folder (``draftheads/drafters/<name>/config.py``) and
+``conf/<name>.yaml`` extends that schema; every field is documented where it is declared, a key that is not
+declared is an error, and a choice field (an :class:`~draftheads.choice.Choice` enum) is checked when the config
+is composed.
 """
 
 from __future__ import annotations
@@ -9,12 +11,67 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
-from data.regenerate import GenerationSettings
-from data.sources import PromptSource
-from models.target import TargetSpec
+from draftheads.choice import Choice
+from draftheads.data.regenerate import GenerationSettings
+from draftheads.data.sources import PromptSource, Source
+from draftheads.models.target import Dtype, TargetSpec
+
+
+class Format(Choice):
+    """Row format of a data source (``data.format``)."""
+    auto = "auto"
+    messages = "messages"
+    sharegpt = "sharegpt"
+    prompt = "prompt"
+    tokenized = "tokenized"
+
+
+class Overlong(Choice):
+    """What happens to a row over ``data.max_length``."""
+    truncate = "truncate"
+    drop = "drop"
+
+
+class TrainOn(Choice):
+    """Assistant turns trained on (``data.train_on``)."""
+    all = "all"
+    last = "last"
+
+
+class SystemPolicy(Choice):
+    """A leading system prompt (``data.system``)."""
+    auto = "auto"
+    keep = "keep"
+    fold = "fold"
+    drop = "drop"
+
+
+class HiddenStates(Choice):
+    """Where training reads the target's states from (``data.hidden_states``)."""
+    memory = "memory"
+    offline = "offline"
+
+
+class MixedPrecision(Choice):
+    """Autocast of training forwards (``trainer.mixed_precision``; in YAML write ``'no'`` quoted)."""
+    bf16 = "bf16"
+    fp16 = "fp16"
+    no = "no"
+
+
+class NonFinite(Choice):
+    """What a NaN/inf loss does (``trainer.nonfinite``)."""
+    stop = "stop"
+    skip = "skip"
+
+
+class Tracker(Choice):
+    """Experiment tracker (``tracker.name``)."""
+    wandb = "wandb"
+    tensorboard = "tensorboard"
+    none = "none"
 
 
 @dataclass
@@ -45,7 +102,7 @@ class DataConfig(PromptSource):
     (self-distillation). Validation rows are chitchat's val split, or else the end of the source's list."""
     mixture: list[MixtureSource] = field(default_factory=list)
     """Several sources with weights; when set, the source fields above are ignored."""
-    format: str = "auto"
+    format: Format = Format.auto
     """Row format: messages (OpenAI role/content), sharegpt (conversations from/value), prompt (prompt, question,
     instruction(+input) or turns), tokenized (input_ids + loss_mask, used as given); auto tells them apart."""
     num_train_prompts: int = 320
@@ -54,24 +111,24 @@ class DataConfig(PromptSource):
     """Held-out rows (never trained on) for validation loss, head accuracy and stage-2 drift."""
     max_length: int = 384
     """Tokens per row (conversation rendered by the chat template)."""
-    overlong: str = "truncate"
+    overlong: Overlong = Overlong.truncate
     """A row over max_length: truncate (kept if >= 2 trainable tokens remain) or drop; counted either way."""
     regenerate: bool = True
     """Replace every assistant turn by the target's own answer, turn by turn (self-distillation); false trains
     on the dataset's own assistant turns."""
-    train_on: str = "all"
+    train_on: TrainOn = TrainOn.all
     """Assistant turns trained on: all, or the last one only."""
-    system: str = "auto"
+    system: SystemPolicy = SystemPolicy.auto
     """A leading system prompt: auto (kept when the template accepts system turns, else folded into the first
     user turn), keep, fold, drop."""
     strict: bool = False
     """Fail on the first bad row (file, row, field) instead of skipping and counting it."""
-    hidden_states: str = "memory"
+    hidden_states: HiddenStates = HiddenStates.memory
     """Target states for training: memory (computed at the start of each run, kept in RAM) or offline (read
     from ``hidden_states_dir``, written once by ``train/cache_hidden_states.py`` with the same config)."""
     hidden_states_dir: str | None = None
     """The offline cache folder (safetensors shards + manifest); default ``<output_dir>/hidden_states``."""
-    hidden_states_dtype: str = "bfloat16"
+    hidden_states_dtype: Dtype = Dtype.bfloat16
     """Dtype of the offline cache on disk: bfloat16, float16 or float32 (read back in the target's dtype)."""
     cache_shard_rows: int = 256
     """Rows per cache shard (the unit a killed caching run resumes from)."""
@@ -86,7 +143,7 @@ class EvalSetConfig(PromptSource):
     training), HumanEval rows 0..39 (disjoint from data=humaneval), a jsonl file, or a hub dataset, e.g.
     ``{name: gsm8k, source: hub, path: openai/gsm8k, subset: main, split: test}``."""
     name: str = MISSING
-    source: str = MISSING
+    source: Source = MISSING
     num_prompts: int = 12
 
 
@@ -121,21 +178,13 @@ class EvalConfig:
     peers: list[str] | None = None
     """Methods measured beside the drafter under test, by report name: medusa_chain, medusa_tree,
     medusa_tree_typical, dflash_denoise<N>, prompt_lookup. null: all the run offers; []: none."""
+    peer_runs: list[str] = field(default_factory=list)
+    """Finished runs of any drafter for the same target, measured beside this run's drafter on the same
+    prompts (each contributes its own methods: medusa_chain and medusa_tree, dflash...). A run that is
+    missing, unfinished or made for another target is skipped with a note in the report."""
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
     at every temperature; 0 skips it."""
-
-
-@dataclass
-class MedusaConfig:
-    """The Medusa heads (arXiv 2401.10774)."""
-    num_heads: int = 4
-    num_layers: int = 1
-    """Residual blocks per head."""
-    per_head_lm_head: bool = False
-    """Give every head its own LM head (initialised from the target's); default shares the frozen one."""
-    decay: float = 0.8
-    """Head k's loss weight is decay^k."""
 
 
 @dataclass
@@ -149,21 +198,10 @@ class StageConfig:
 
 
 @dataclass
-class Stage2Config(StageConfig):
-    """Medusa-2: heads and the target's last decoder layers trained jointly."""
-    unfreeze_last_n_layers: int = 4
-    """Decoder layers unfrozen, taken from the end of the model's own layer list."""
-    backbone_lr_scale: float = 0.1
-    """Learning rate of the unfrozen layers = trainer.lr * backbone_lr_scale."""
-    kl_weight: float = 1.0
-    """Weight of the self-distillation term KL(original target || trained target) on next tokens."""
-
-
-@dataclass
 class TrainerConfig:
     """Optimisation and the checkpoint policy, shared by every stage and drafter."""
     lr: float = 1e-3
-    mixed_precision: str = "bf16"
+    mixed_precision: MixedPrecision = MixedPrecision.bf16
     """Autocast for training forwards: bf16, fp16 or no. Weights and optimizer states stay float32; the
     LM-head projections that dominate head training run ~2.4x faster in bf16 even on AVX512-BF16 CPUs."""
     weight_decay: float = 0.0
@@ -184,7 +222,7 @@ class TrainerConfig:
     """How long ranks wait at a barrier: for the slowest rank's share of the regeneration, and for rank 0's
     final validation, export and evaluation. A rank that fails still ends the others at once (accelerate
     launch / torchrun stops them)."""
-    nonfinite: str = "stop"
+    nonfinite: NonFinite = NonFinite.stop
     """A NaN/inf loss on any rank: stop (error naming stage, step, batch and rows) or skip the batch (counted
     as ``<stage>/skipped_nonfinite``; needs grad_accum 1). Checked every micro-batch (one scalar sync)."""
     count_flops: bool = False
@@ -196,7 +234,7 @@ class TrainerConfig:
 @dataclass
 class TrackerConfig:
     """Experiment tracking through accelerate's trackers."""
-    name: str = "wandb"
+    name: Tracker = Tracker.wandb
     """wandb (offline unless logged in), tensorboard, or none."""
     project: str = "draftheads"
 
@@ -216,60 +254,12 @@ class RunConfig:
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
     export: bool = True
-    """Write the drafter's server formats under output_dir/export at the end (a DFlash run always writes
-    export/dflash: it is also the run's saved model)."""
-
-
-@dataclass
-class MedusaRunConfig(RunConfig):
-    """``train/medusa.py``: two-stage Medusa training, evaluation and export (export/vllm, export/tgi, and
-    export/target after stage 2)."""
-    medusa: MedusaConfig = field(default_factory=MedusaConfig)
-    stage1: StageConfig = field(default_factory=StageConfig)
-    stage2: Stage2Config = field(default_factory=Stage2Config)
-    output_dir: str = "runs/medusa"
-
-
-@dataclass
-class DFlashConfig:
-    """The DFlash drafter (arXiv 2602.06036) and how it trains and drafts."""
-    block_size: int = 16
-    """B: the anchor plus B-1 drafted tokens per target forward (gamma = B-1)."""
-    num_layers: int = 1
-    """Draft decoder layers (the paper uses 1-5)."""
-    num_target_features: int = 5
-    """K target layers read, spaced evenly from layer 1 to L-3 (ignored when target_layer_ids is set)."""
-    target_layer_ids: list[int] | None = None
-    """Explicit target layer ids; id i is the output of decoder layer i (0-based)."""
-    mask_token_id: int | None = None
-    """Token at block positions 1..B-1; default: the tokenizer's mask, reserved or a spare special token."""
-    qk_norm: bool = True
-    """Per-head q/k RMSNorm in every draft layer, as vLLM and SGLang always build them."""
-    max_anchors: int = 512
-    """Blocks trained per sequence, anchors drawn at random among response tokens, every epoch anew."""
-    loss_decay: float | None = None
-    """Position k's loss weight is exp(-(k-1)/loss_decay); default: the paper's 7/5/4 for B = 16/10/8."""
-    attention: str = "auto"
-    """Training attention over many blocks: flex (block-sparse flex_attention, compiled), sdpa (dense boolean
-    mask), auto (flex on GPUs, sdpa on CPUs)."""
-    features: str = "offline"
-    """offline: target features computed once before training and kept in memory; online: a target forward
-    (no autograd) per batch (less memory, more compute)."""
-    denoise_steps: int = 4
-    """Also evaluate iterative denoising with this many passes per block (greedy only); 1 skips it."""
-    denoise_confidence: float = 0.9
-    """Denoising fixes any position whose top probability reaches this, and stops when all left do."""
-    medusa_run: str | None = None
-    """A finished Medusa run directory for the same target, measured beside DFlash in the same evaluation
-    (chain and tree); a missing directory is reported and skipped."""
-
-
-@dataclass
-class DFlashRunConfig(RunConfig):
-    """``train/dflash.py``: DFlash training, evaluation and export (export/dflash)."""
-    dflash: DFlashConfig = field(default_factory=DFlashConfig)
-    train: StageConfig = field(default_factory=StageConfig)
-    output_dir: str = "runs/dflash"
+    """Write the drafter's server formats under output_dir/export at the end (a drafter whose export is also
+    its saved model, like DFlash's export/dflash, writes it either way)."""
+    drafter: str = MISSING
+    """The drafter this run trains, a name in the registry (``draftheads.drafters.DRAFTERS``); set by each
+    drafter's schema and recorded in the run's config.yaml, where evaluation, export, parity and the state
+    cache read it."""
 
 
 @dataclass
@@ -306,11 +296,3 @@ def _reject_undeclared(node, path: str) -> None:
     elif isinstance(node, ListConfig):
         for i in range(len(node)):
             _reject_undeclared(node._get_node(i), f"{path}{i}.")
-
-
-def register_configs() -> None:
-    """Register the schemas so ``conf/*.yaml`` can extend them (``defaults: [medusa_schema, ...]``)."""
-    cs = ConfigStore.instance()
-    cs.store(name="medusa_schema", node=MedusaRunConfig)
-    cs.store(name="dflash_schema", node=DFlashRunConfig)
-    cs.store(name="regenerate_schema", node=RegenerateConfig)

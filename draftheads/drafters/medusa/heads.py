@@ -172,3 +172,21 @@ def medusa_loss(heads: MedusaHeads, hidden_states: torch.Tensor, labels: torch.T
             metrics[f"head{k + 1}_top1"] = (top5[:, 0] == target).float().mean()
             metrics[f"head{k + 1}_top5"] = (top5 == target[:, None]).any(-1).float().mean()
     return total, metrics
+
+
+class MedusaDrafter:
+    """Medusa heads as a chain drafter (Medusa paper, section 2.1.2, chain case): head k's distribution is
+    the proposal for position k; it ignores ``last_token`` (the heads see the hidden state only)."""
+    name = "medusa_chain"
+    target_layer_ids = ()
+
+    def __init__(self, heads, lm_head):
+        self.heads, self.lm_head = heads, lm_head
+        self.gamma = heads.num_heads
+
+    def start(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None) -> torch.Tensor:
+        return self.heads(hidden_state, lm_head=self.lm_head)

@@ -1,9 +1,9 @@
-"""What every training job (``train/medusa.py``, ``train/dflash.py``) does around its own strategies: open
-the run (accelerator, target, eval sets, resume point), build the self-distilled rows and their cached target
-states, close the run."""
+"""What every training job does around its drafter's own stages: open the run (accelerator, target, eval sets,
+the recipe's early checks, resume point), build the self-distilled rows and their target states, close the run."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,15 +12,16 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from data.batching import DataReport, data_scalars, padding_fraction, rank_shard
-from data.hidden_states import attach_hidden_states
-from data.pipeline import self_distilled_rows
-from data.state_cache import CacheSpec, cache_spec, read_cache
-from models.target import load_target, model_identity
-from train.checkpoint import latest_checkpoint
-from train.config import RunConfig, to_schema
-from train.finish import load_eval_sets
-from train.runtime import make_accelerator, print0
+from draftheads.data.batching import DataReport, data_scalars, padding_fraction, rank_shard
+from draftheads.data.hidden_states import attach_hidden_states
+from draftheads.data.pipeline import self_distilled_rows
+from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
+from draftheads.evaluation.methods import load_eval_sets
+from draftheads.models.target import load_target, model_identity
+from draftheads.training.checkpoint import latest_checkpoint
+from draftheads.training.config import HiddenStates, RunConfig, to_schema
+from draftheads.training.recipe import Recipe
+from draftheads.training.runtime import make_accelerator, print0
 
 
 @dataclass
@@ -38,14 +39,24 @@ class Job:
     """The checkpoint to continue from (``resume=true``) and its meta."""
 
 
-def open_job(cfg: DictConfig, stages: tuple[str, ...]) -> Job:
-    """Typed config, accelerator and tracker, eval sets (a bad file fails now, not after training), the target
-    on this process's device, the resume point, and ``config.yaml`` in the run directory.
+TARGET_FILE = "target.json"
+"""The identity of the target a run trained against (:func:`draftheads.models.target.model_identity`), written
+beside ``config.yaml`` when the run opens; peer runs and reloads are checked against it."""
 
-    Raises ``ValueError`` for an undeclared config key, and, with ``resume=true``, for a checkpoint of another
-    target or of a stage not in ``stages`` — before any work.
+
+def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
+    """Typed config, accelerator and tracker, eval sets (a bad file fails now, not after training), the target
+    on this process's device, ``recipe.check`` (settings that would fail later), the resume point, and
+    ``config.yaml`` and ``target.json`` in the run directory. ``recipe`` None opens a job that trains nothing
+    (a state cache build).
+
+    Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, what
+    ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint of another target or of a stage not
+    in ``recipe.stages`` — before any work.
     """
     conf = to_schema(cfg)
+    if recipe is not None and conf.drafter != recipe.name:
+        raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
     accelerator = make_accelerator(cfg, run_name=Path(conf.output_dir).name)
     out = Path(conf.output_dir)
     if accelerator.is_main_process:
@@ -58,9 +69,12 @@ def open_job(cfg: DictConfig, stages: tuple[str, ...]) -> Job:
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
-    resume = latest_checkpoint(out, identity, stages) if conf.resume else None
+    if recipe is not None:
+        recipe.check(conf, target)
+    resume = latest_checkpoint(out, identity, recipe.stages if recipe else ()) if conf.resume else None
     if accelerator.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+        (out / TARGET_FILE).write_text(json.dumps(identity, indent=1))
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
 
 
@@ -95,7 +109,7 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
     if not attach:
         return train_rows, val_rows, report
     pad, bs = job.tokenizer.pad_token_id, conf.trainer.hidden_states_batch_size
-    if conf.data.hidden_states == "offline":
+    if conf.data.hidden_states == HiddenStates.offline:
         rows = train_rows + val_rows
         spec = state_cache_spec(job, rows, layer_ids)
         per_rank = len(rank_shard(train_rows, accelerator.process_index, accelerator.num_processes))
@@ -104,8 +118,6 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
         read_cache(state_cache_dir(conf), spec, rows, [*mine, *held_out], job.target.dtype)
         print0(accelerator, f"target states: read from {state_cache_dir(conf)}")
         return train_rows, val_rows, report
-    if conf.data.hidden_states != "memory":
-        raise ValueError(f"data.hidden_states={conf.data.hidden_states!r} must be memory or offline")
     attach_hidden_states(job.target, rank_shard(train_rows, accelerator.process_index, accelerator.num_processes),
                          bs, pad, accelerator.is_main_process, layer_ids=layer_ids)
     if accelerator.is_main_process:

@@ -11,6 +11,7 @@ Definitions (as in the Medusa/EAGLE papers and vLLM/SGLang metrics):
 from __future__ import annotations
 
 import json
+import os
 import platform
 from pathlib import Path
 from typing import Callable
@@ -18,9 +19,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from data.regenerate import prompt_ids
-from data.conversations import first_user_prompts
-from models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
+from draftheads.data.regenerate import prompt_ids
+from draftheads.data.conversations import first_user_prompts
+from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
 
 def eval_prompts(set_cfg) -> list:
@@ -212,12 +213,15 @@ def plot_acceptance(sets: dict, path: str | Path) -> None:
 
 
 def write_report(report: dict, output_dir: str | Path) -> Path:
-    """``report.json`` and ``acceptance.png`` (per-position acceptance, accepted-per-step histogram, tau per
-    set and method) in the run directory."""
+    """``report.json`` (atomically: the previous one stays whole until the new one replaces it) and, when it
+    has an evaluation, ``acceptance.png`` (per-position acceptance, accepted-per-step histogram, tau per set and
+    method) in the run directory."""
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
-    path.write_text(json.dumps(report, indent=1))
+    tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: never a half-written report
+    tmp.write_text(json.dumps(report, indent=1))
+    os.replace(tmp, path)
     if report.get("eval"):
         plot_acceptance(report["eval"], out / "acceptance.png")
     return path

@@ -1,4 +1,4 @@
-"""The drafters' training stages as spine strategies.
+"""Medusa's two training stages as spine strategies.
 
 Medusa (paper sections 2.2.1 and 2.2.2):
 - Stage 1 (Medusa-1): the target is frozen and never runs in the loop; heads train on its cached
@@ -6,9 +6,6 @@ Medusa (paper sections 2.2.1 and 2.2.2):
 - Stage 2 (Medusa-2): the last N decoder layers of the target train jointly with the heads, at a lower
   learning rate, with a self-distillation term KL(original target || trained target) on next tokens so the
   target's own output drifts as little as possible.
-
-DFlash (arXiv 2602.06036, section 3): the drafter trains on the target's multi-layer features (cached or
-computed per batch), many random blocks per sequence in one pass, with position-decayed cross-entropy.
 
 Only trainable modules are registered in each strategy's module (what DDP wraps and checkpoints save);
 frozen parts are held outside registration.
@@ -21,10 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from data.hidden_states import layer_features
-from models.dflash import DFlashDraftModel, block_labels, dflash_loss, sample_anchors
-from models.medusa import MedusaHeads, medusa_loss, medusa_targets
-from models.target import decoder_layers
+from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
+from draftheads.models.target import decoder_layers
+from draftheads.training.spine import ModuleStrategy
 
 
 def next_token_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -46,12 +42,7 @@ class _Stage1Module(nn.Module):
         return medusa_loss(self.heads, batch["hidden_states"], labels, valid, self.frozen[0], self.decay)
 
 
-class _Adopts:
-    def adopt(self, module: nn.Module) -> None:
-        self.module = module
-
-
-class MedusaStage1(_Adopts):
+class MedusaStage1(ModuleStrategy):
     """Heads only, on cached target hidden states."""
     name = "stage1"
     required_fields = ("input_ids", "loss_mask", "hidden_states")
@@ -62,8 +53,6 @@ class MedusaStage1(_Adopts):
     def param_groups(self, lr: float) -> list[dict]:
         return [{"params": [p for p in self.module.heads.parameters() if p.requires_grad], "lr": lr}]
 
-    def forward_loss(self, module, batch):
-        return module(batch)
 
 
 def self_distillation(new_logits: torch.Tensor, teacher_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,7 +92,7 @@ def check_unfreeze(target: PreTrainedModel, stage2) -> None:
                          f"(the target's decoder layers)")
 
 
-class MedusaStage2:
+class MedusaStage2(ModuleStrategy):
     """Heads plus the last ``n_layers`` decoder layers; ``hidden_states`` in the batch are the original
     (stage-1) target's, the teacher of the self-distillation term."""
     name = "stage2"
@@ -126,42 +115,3 @@ class MedusaStage2:
         for i, layer in zip(range(len(layers) - len(module.layers), len(layers)), module.layers):
             layers[i] = layer
 
-    def forward_loss(self, module, batch):
-        return module(batch)
-
-
-class _DFlashModule(nn.Module):
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float):
-        super().__init__()
-        self.drafter = drafter
-        self.frozen = (target,)
-        self.max_anchors, self.decay = max_anchors, decay
-
-    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        features = batch.get("target_features")
-        if features is None:  # online: the frozen target runs without autograd
-            features = layer_features(self.frozen[0], batch["input_ids"], batch["attention_mask"],
-                                      self.drafter.target_layer_ids)
-        anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
-        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
-        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)
-        loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.decay)
-        metrics["blocks_per_row"] = (anchors >= 0).float().sum(1).mean()
-        return loss, metrics
-
-
-class DFlashTraining(_Adopts):
-    """The DFlash drafter on target features: ``target_features`` from the batch (offline) or from a target
-    forward per batch (online)."""
-    name = "dflash"
-
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float,
-                 online: bool):
-        self.module = _DFlashModule(drafter, target, max_anchors, decay)
-        self.required_fields = ("input_ids", "attention_mask", "loss_mask") + (() if online else ("target_features",))
-
-    def param_groups(self, lr: float) -> list[dict]:
-        return [{"params": list(self.module.drafter.parameters()), "lr": lr}]
-
-    def forward_loss(self, module, batch):
-        return module(batch)

@@ -8,9 +8,9 @@ authors' ``z-lab/dflash`` load it.
   token become extra keys/values of every layer through that layer's own ``k_proj``/``v_proj`` (then
   ``k_norm`` and RoPE at their absolute positions); no ``input_layernorm`` on them. Queries come from the
   block only.
-- Block of B tokens at positions ``a..a+B-1``: position 0 holds the last verified token (the anchor a), 1..B-1
-  the mask token. Attention inside a block is bidirectional; a block sees context strictly before its anchor.
-  Output: ``norm`` then the target's LM head; positions 1..B-1 propose tokens ``a+1..a+B-1``.
+- Block of S = block_size tokens at positions ``a..a+S-1`` (B stays the batch size): position 0 holds the last
+  verified token (the anchor a), 1..S-1 the mask token. Attention inside a block is bidirectional; a block sees context strictly before its anchor.
+  Output: ``norm`` then the target's LM head; positions 1..S-1 propose tokens ``a+1..a+S-1``.
 - Token embedding and LM head are the target's, frozen and never saved.
 
 vLLM and SGLang build every draft layer with per-head ``q_norm``/``k_norm`` (Qwen3 style), whatever the
@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from models.target import decoder_layers
+from draftheads.models.target import decoder_layers
 
 
 def _flex_attention(*args, **kwargs):
@@ -61,7 +61,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
 
 
 def choose_mask_token(tokenizer: PreTrainedTokenizerBase, vocab_size: int, configured: int | None = None) -> int:
-    """The id DFlash puts at block positions 1..B-1.
+    """The id DFlash puts at block positions 1..S-1 (S = block size).
 
     In order: ``configured``; the tokenizer's mask token; an added token whose text contains "mask", "reserved"
     or "unused" (lowest id); else the highest-id added special token that is not BOS/EOS/PAD/UNK and does not
@@ -314,7 +314,8 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
 
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
                  block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets of block positions k = 1..B-1: ``token[anchor + k]``, valid where that token is a response token.
+    """Targets of block positions k = 1..S-1 (S = block size): ``token[anchor + k]``, valid where that token
+    is a response token.
 
     Returns ``(labels, valid)``, both ``[B, A, block_size - 1]`` (int64, bool)."""
     T = input_ids.shape[1]
@@ -328,12 +329,12 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
 
 
 def position_weights(block_size: int, decay: float) -> torch.Tensor:
-    """``[B-1]`` loss weights ``exp(-(k-1)/decay)`` for block positions k = 1..B-1 (DFlash paper, sec. 3)."""
+    """``[S-1]`` loss weights ``exp(-(k-1)/decay)`` for block positions k = 1..S-1 (DFlash paper, sec. 3)."""
     return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / decay)
 
 
 def default_decay(block_size: int) -> float:
-    """The paper's loss-decay gamma for its block sizes: 7 for 16, 5 for 10, 4 for 8.
+    """The paper's loss decay for its block sizes: 7 for 16, 5 for 10, 4 for 8.
     Raises ``ValueError`` for another size (set ``dflash.loss_decay``)."""
     paper = {16: 7.0, 10: 5.0, 8: 4.0}
     if block_size not in paper:
@@ -344,7 +345,7 @@ def default_decay(block_size: int) -> float:
 
 def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                 decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted cross-entropy over block positions 1..B-1, and training-time acceptance estimates.
+    """Weighted cross-entropy over block positions 1..S-1, and training-time acceptance estimates.
 
     Args:
         hidden: ``[B, A, S, D]`` from :meth:`DFlashDraftModel.forward`; labels, valid: ``[B, A, S-1]``.
@@ -385,8 +386,8 @@ class DFlashDrafter:
     """A trained :class:`DFlashDraftModel` as the evaluator's chain drafter.
 
     Each call adds the newly verified tokens' target features to the drafter's context K/V cache (kept
-    across steps; the block's own K/V never enter it) and drafts one block ``[last_token, mask * (B-1)]``
-    at the next positions: gamma = B-1 proposals.
+    across steps; the block's own K/V never enter it) and drafts one block ``[last_token, mask * (S-1)]``
+    at the next positions: draft length gamma = S-1.
 
     ``denoise_steps`` > 1 is iterative denoising (not in the paper): after each pass the most confident masked
     positions (an even share of those left, plus any above ``confidence``) are fixed to their argmax and the

@@ -1,0 +1,49 @@
+"""DFlash training as a spine strategy (arXiv 2602.06036, section 3): the drafter trains on the target's
+multi-layer features (cached or computed per batch), many random blocks per sequence in one pass, with
+position-decayed cross-entropy. Only the drafter is registered (what DDP wraps and checkpoints save); the
+target is held outside registration.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from draftheads.data.hidden_states import layer_features
+from draftheads.drafters.dflash.model import DFlashDraftModel, block_labels, dflash_loss, sample_anchors
+from draftheads.training.spine import ModuleStrategy
+
+
+class _DFlashModule(nn.Module):
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.frozen = (target,)
+        self.max_anchors, self.decay = max_anchors, decay
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        features = batch.get("target_features")
+        if features is None:  # online: the frozen target runs without autograd
+            features = layer_features(self.frozen[0], batch["input_ids"], batch["attention_mask"],
+                                      self.drafter.target_layer_ids)
+        anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
+        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
+        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)
+        loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.decay)
+        metrics["blocks_per_row"] = (anchors >= 0).float().sum(1).mean()
+        return loss, metrics
+
+
+class DFlashTraining(ModuleStrategy):
+    """The DFlash drafter on target features: ``target_features`` from the batch (precomputed) or from a target
+    forward per batch (online)."""
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float,
+                 online: bool):
+        self.module = _DFlashModule(drafter, target, max_anchors, decay)
+        self.required_fields = ("input_ids", "attention_mask", "loss_mask") + (() if online else ("target_features",))
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return [{"params": list(self.module.drafter.parameters()), "lr": lr}]

@@ -1,0 +1,149 @@
+"""Medusa as a drafter (Cai et al., arXiv 2401.10774): two training stages, held-out validation and drift,
+the model-only save (with the rank accuracies the default tree grows from), vLLM and TGI exports, and its
+decoding methods: the heads as a chain (``medusa_chain``, what vLLM serves) and as a tree (``medusa_tree``;
+``medusa_tree_typical`` with typical acceptance)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftheads.drafters.medusa.config import MedusaRunConfig
+from draftheads.drafters.medusa.export import (export_tgi_medusa, export_vllm_medusa, load_any_heads, load_heads,
+                                               save_heads)
+from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
+from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, check_unfreeze
+from draftheads.drafters.medusa.validation import validate
+from draftheads.models.speculative import Sampling
+from draftheads.models.target import TargetSpec
+from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
+from draftheads.training.recipe import Trained
+from draftheads.training.spine import fit
+
+
+class Medusa:
+    """The Medusa recipe (see :class:`draftheads.training.recipe.Recipe`)."""
+    name = "medusa"
+    schema = MedusaRunConfig
+    stages = ("stage1", "stage2")
+    vllm_weights = "export/vllm"
+
+    def check(self, conf: MedusaRunConfig, target) -> None:
+        check_unfreeze(target, conf.stage2)
+
+    def state_layers(self, conf, target) -> None:
+        return None
+
+    def attach_states(self, conf) -> bool:
+        return True
+
+    def train(self, job, rows: list[dict]) -> Trained:
+        """Stage 1 (heads on the frozen target's cached states), then stage 2 (heads and the last N layers,
+        KL to the original); a resumed run continues at its checkpoint's stage."""
+        conf: MedusaRunConfig = job.conf
+        accelerator, target, out = job.accelerator, job.target, str(job.out)
+        resume, resume_stage = job.resume, job.resume[1]["stage"] if job.resume else None
+        pad = job.tokenizer.pad_token_id
+        heads = MedusaHeads(job.identity["hidden_size"], job.identity["vocab_size"], conf.medusa.num_heads,
+                            conf.medusa.num_layers, conf.medusa.per_head_lm_head).to(accelerator.device)
+        if heads.per_head_lm_head:
+            heads.init_lm_heads_from(target.get_output_embeddings())
+        meta = {"model": job.identity, "step_offset": 0}
+        curves = {}
+        if conf.stage1.enabled and resume_stage != "stage2":
+            strategy = MedusaStage1(heads, target, conf.medusa.decay)
+            state = fit(accelerator, strategy, rows, conf.trainer, conf.stage1, out, pad, meta,
+                        resume_from=str(resume[0]) if resume else None)
+            heads = strategy.module.heads  # the trained heads (a plain copy after FSDP/DeepSpeed)
+            meta["step_offset"], curves["stage1"] = state.step, state.history
+        elif resume_stage == "stage2":
+            meta["step_offset"] = resume[1]["step_offset"]
+        if conf.stage2.enabled:
+            s2 = conf.stage2
+            strategy = MedusaStage2(heads, target, s2.unfreeze_last_n_layers, conf.medusa.decay, s2.kl_weight,
+                                    s2.backbone_lr_scale)
+            state = fit(accelerator, strategy, rows, conf.trainer, s2, out, pad, meta,
+                        resume_from=str(resume[0]) if resume_stage == "stage2" else None)
+            curves["stage2"] = state.history
+            heads = strategy.module.heads
+            meta["step_offset"] += state.step
+            target.requires_grad_(False)
+        # trained in float32; served in the target's dtype
+        return Trained(heads.to(target.dtype).eval(), curves=curves, step=meta["step_offset"])
+
+    def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
+        """Head accuracies and the target's drift; the heads' rank accuracies go into ``trained.saved``."""
+        val, rank_accuracy = validate(job.target, trained.model, rows, job.conf.trainer.hidden_states_batch_size,
+                                      job.tokenizer.pad_token_id)
+        trained.saved["head_rank_accuracy"] = rank_accuracy
+        return val
+
+    def save(self, job, trained: Trained) -> dict:
+        """``medusa_heads/`` (with the target's identity, rank accuracies and base model); after stage 2 the
+        modified target itself in ``export/target`` (it is served with its heads)."""
+        base_model = job.target_path
+        if job.conf.stage2.enabled:
+            base_model = str((job.out / "export" / "target").resolve())
+            job.target.save_pretrained(base_model)
+            job.tokenizer.save_pretrained(base_model)
+        trained.saved |= {"target": job.identity, "base_model": base_model}
+        save_heads(trained.model, job.out / "medusa_heads", trained.saved)
+        return {"base_model": base_model, "head_rank_accuracy": trained.saved["head_rank_accuracy"]}
+
+    def export(self, run_dir: Path, target, trained: Trained) -> dict[str, str]:
+        """``export/vllm`` and ``export/tgi`` for the run's base model."""
+        lm_head = target.get_output_embeddings().weight
+        exports = Path(run_dir) / "export"
+        return {"vllm": str(export_vllm_medusa(trained.model, lm_head, exports / "vllm")),
+                "tgi": str(export_tgi_medusa(trained.model, lm_head, exports / "tgi", trained.saved["base_model"]))}
+
+    def target_of(self, run_dir: Path, conf: MedusaRunConfig) -> TargetSpec:
+        base = Path(load_heads(Path(run_dir) / "medusa_heads")[1]["base_model"])
+        if base.is_dir() and (base / "config.json").exists():
+            return TargetSpec(name_or_path=str(base), dtype=conf.model.dtype)
+        return conf.model
+
+    def load(self, run_dir: Path, conf, target, weights: str | None = None) -> Trained:
+        """The run's ``medusa_heads`` (or the heads of ``weights``: ``export/vllm``, ``export/tgi``, read by
+        their strict loaders, so what will be served is measured), checked against ``target``."""
+        folder = Path(run_dir) / "medusa_heads"
+        if not (folder / "medusa_heads.json").exists():
+            raise FileNotFoundError(f"{run_dir} holds no finished Medusa run (medusa_heads/ expected)")
+        heads, saved = load_heads(folder)
+        if weights is not None:
+            heads = load_any_heads(Path(run_dir) / weights)
+        heads.check_target(target.config.hidden_size, target.config.vocab_size, where=str(run_dir))
+        return Trained(heads.to(device=target.device, dtype=target.dtype).eval(), saved=saved)
+
+    def chain(self, conf, trained: Trained, target) -> MedusaDrafter:
+        return MedusaDrafter(trained.model, target.get_output_embeddings())
+
+    def peers(self, conf, trained: Trained, target, tokenizer, sampling: Sampling) -> dict:
+        """The heads as a tree (greedy, or typical acceptance at t > 0 or with ``eval.typical``), when
+        ``eval.tree``; the tree is ``eval.medusa_choices`` or grown from the saved rank accuracies."""
+        eval_cfg = conf.eval
+        if not eval_cfg.tree:
+            return {}
+        tree = medusa_tree(eval_cfg, trained.model.num_heads, trained.saved.get("head_rank_accuracy"))
+        drafter, eos, n = self.chain(conf, trained, target), tokenizer.eos_token_id, eval_cfg.max_new_tokens
+        typical = (TypicalAcceptance(eval_cfg.typical_epsilon, eval_cfg.typical_delta, sampling.temperature or 0.7)
+                   if eval_cfg.typical or not sampling.greedy else None)
+        return {"medusa_tree_typical" if typical else "medusa_tree":
+                lambda ids, gen: tree_decode(target, drafter, tree, ids, n, eos, typical)}
+
+    def vllm_config(self, run_dir: Path, trained: Trained) -> dict:
+        return {"method": "medusa", "model": str((Path(run_dir) / self.vllm_weights).resolve()),
+                "num_speculative_tokens": trained.model.num_heads}
+
+
+def medusa_tree(eval_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
+    """``eval.medusa_choices`` as a tree, or one grown from rank accuracies ([K][r]) for ``eval.tree_budget``
+    nodes. Raises ``ValueError`` for a tree deeper than ``num_heads`` or neither choices nor accuracies."""
+    choices = eval_cfg.medusa_choices
+    if choices is None:
+        if rank_accuracy is None:
+            raise ValueError("no eval.medusa_choices and no measured head accuracies to grow a tree from")
+        choices = default_choices(rank_accuracy, eval_cfg.tree_budget)
+    return Tree.from_choices(choices, num_heads)
+
+
+MEDUSA = Medusa()

@@ -1,0 +1,53 @@
+"""Which methods an evaluation measures and on which prompts: the eval sets, every temperature, the drafter
+under test beside its peers, and transformers' prompt lookup (the model-free peer)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from draftheads.evaluation.evaluator import eval_prompts, evaluate_set
+from draftheads.models.speculative import Sampling, prompt_lookup_decode
+
+
+def load_eval_sets(eval_cfg) -> dict[str, list]:
+    """Each eval set's held-out prompts. Raises ``ValueError`` for an empty set or ``max_new_tokens`` < 1,
+    and the source's own error (file, line, field) for a malformed file."""
+    if eval_cfg.max_new_tokens < 1:
+        raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
+    sets = {s.name: eval_prompts(s) for s in eval_cfg.sets} if eval_cfg.enabled else {}
+    for name, prompts in sets.items():
+        if not prompts:
+            raise ValueError(f"eval set {name!r} has no prompts (num_prompts >= 1 and a non-empty source needed)")
+    return sets
+
+
+def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, drafter,
+                     peers_at: Callable[[Sampling], dict]) -> dict:
+    """Speculative evaluation of ``drafter`` on every eval set at every temperature in ``eval.temperatures``:
+    ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
+    measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``), kept to ``eval.peers``
+    when that is set. Raises ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
+    samplings = [Sampling(t, eval_cfg.top_k, eval_cfg.top_p) for t in eval_cfg.temperatures]
+    offered = [peers_at(sampling) for sampling in samplings]
+    if eval_cfg.peers is not None:
+        unknown = set(eval_cfg.peers) - set().union(*offered)
+        if unknown:
+            raise ValueError(f"eval.peers: {sorted(unknown)} not measured by this run; available: "
+                             f"{sorted(set().union(*offered))}")
+        offered = [{k: v for k, v in peers.items() if k in eval_cfg.peers} for peers in offered]
+    results = {}
+    for sampling, peers in zip(samplings, offered):
+        for name, prompts in eval_sets.items():
+            key = name if sampling.greedy else f"{name}@T{sampling.temperature:g}"
+            results[key] = evaluate_set(target, tokenizer, drafter, prompts, eval_cfg.max_new_tokens,
+                                        eval_cfg.tie_tolerance, sampling, eval_cfg.seed, peers, desc=f"eval {key}")
+    return results
+
+
+def prompt_lookup_peer(eval_cfg, target, tokenizer, sampling: Sampling) -> dict:
+    """transformers' prompt-lookup decoding, the model-free peer, at this temperature (lossless)."""
+    if eval_cfg.prompt_lookup_tokens <= 0:
+        return {}
+    eos, n = tokenizer.eos_token_id, eval_cfg.max_new_tokens
+    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens,
+                                                                   sampling, gen)}

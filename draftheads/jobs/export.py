@@ -1,0 +1,27 @@
+"""Re-export a finished run's drafter for inference servers, read back by its strict loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draftheads.jobs.cli import parse_args
+from draftheads.jobs.runs import open_run
+
+
+def export_run(run_dir: Path, overrides: list[str] = ()) -> dict[str, str]:
+    """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter; returns
+    ``{format: folder}`` (empty for a drafter whose saved model is its export, like DFlash's)."""
+    run = open_run(run_dir, overrides)
+    return run.recipe.export(Path(run_dir), run.target, run.trained)
+
+
+def cli(argv: list[str], usage: str = __doc__) -> dict[str, str]:
+    """``train/export.py``'s command line: the run (first or ``run_dir=``) and config overrides; prints each
+    format's folder."""
+    run_dir, _, overrides = parse_args(argv, (), usage)
+    paths = export_run(run_dir, overrides)
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    if not paths:
+        print(f"{run_dir}: its saved model is its only export; nothing else to export")
+    return paths

@@ -1,0 +1,61 @@
+"""Our evaluator and vLLM side by side, greedy, on a finished run's held-out prompts (any drafter vLLM serves)."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+from draftheads import drafters
+from draftheads.data.regenerate import prompt_ids
+from draftheads.evaluation.methods import load_eval_sets
+from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
+from draftheads.evaluation.vllm_env import VLLM, ensure_vllm
+from draftheads.jobs.cli import parse_args
+from draftheads.jobs.runs import open_run
+
+
+def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = None, serve: bool = False) -> list[dict]:
+    """Decode the run's eval prompts with its export as vLLM loads it (``recipe.vllm_weights``, read back by
+    the strict loader) on both sides: our chain evaluator and vLLM's CPU build (offline ``LLM`` API; with
+    ``serve`` also its OpenAI server). Prints the table, writes ``<run>/vllm_parity.json``; raises
+    ``SystemExit(1)`` without parity. The vLLM environment is made on first use
+    (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``)."""
+    cache = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser()
+    python = ensure_vllm(Path(vllm_venv or cache / "vllm-venv"))
+    run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)
+    eval_cfg, tokenizer = run.conf.eval, run.tokenizer
+    drafter = run.recipe.chain(run.conf, run.trained, run.target)
+    spec = run.recipe.vllm_config(run.folder, run.trained)
+    rows = []
+    for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True)).items():
+        ids = [prompt_ids(tokenizer, p.text) for p in prompts]
+        ours = our_side(run.target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)
+        job = {"target": str(run.target_path), "speculative_config": spec, "prompts": ids, "max_tokens":
+               eval_cfg.max_new_tokens, "messages": [[{"role": "user", "content": p.text}] for p in prompts],
+               "port": 8011}
+        rows.append({"mode": "offline", **compare(name, ours, run_vllm(python, {**job, "mode": "offline"}))})
+        if serve:
+            served = run_vllm(python, {**job, "mode": "serve"})
+            rows.append({"mode": "serve", **compare(name, ours, served,
+                                                    lambda t: tokenizer.decode(t, skip_special_tokens=True))})
+    print(f"\n{drafter.name} in vLLM ({VLLM}) vs draftheads, greedy, {eval_cfg.max_new_tokens} new tokens; "
+          f"parity: identical outputs and |tau difference| <= {TOLERANCE}")
+    print(f"{'set':<12}{'vLLM via':<10}{'identical':>10}{'tau ours':>10}{'tau vLLM':>10}  per-position (ours | vLLM)")
+    for r in rows:
+        pos = " ".join(f"{a:.2f}" for a in r["per_position_ours"][:5]) + " | " + \
+              " ".join(f"{b:.2f}" for b in r["per_position_vllm"][:5])
+        print(f"{r['set']:<12}{r['mode']:<10}{r['identical']:>10.2f}{r['tau_ours']:>10.3f}{r['tau_vllm']:>10.3f}  {pos}"
+              f"{'' if r['parity'] else '   <- NO PARITY'}")
+    (Path(run_dir) / "vllm_parity.json").write_text(json.dumps({"method": drafter.name, "vllm": VLLM, "rows": rows},
+                                                               indent=1))
+    if not all(r["parity"] for r in rows):
+        raise SystemExit(1)
+    return rows
+
+
+def cli(argv: list[str], usage: str = __doc__) -> list[dict]:
+    """``train/vllm_parity.py``'s command line: the run, ``vllm_venv=``, ``serve=true``, config overrides."""
+    run_dir, options, overrides = parse_args(argv, ("vllm_venv", "serve"), usage)
+    return parity(run_dir, overrides, options.get("vllm_venv"), options.get("serve", "false").lower() == "true")

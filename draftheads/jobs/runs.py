@@ -1,0 +1,114 @@
+"""Finished runs read back: a run's drafter, config and target (for re-evaluation, export and parity), and
+other runs measured beside it (``eval.peer_runs``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from draftheads import drafters
+from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
+from draftheads.models.speculative import Sampling, speculative_decode
+from draftheads.models.target import load_target
+from draftheads.training.job import TARGET_FILE
+from draftheads.training.recipe import Recipe, Trained
+
+
+@dataclass
+class SavedRun:
+    """A finished run as evaluation, export and parity see it."""
+    folder: Path
+    recipe: Recipe
+    conf: object
+    """The run's config (its own schema) with the caller's overrides."""
+    target: object
+    tokenizer: object
+    target_path: str
+    """The folder or hub id of the target it is evaluated on (Medusa after stage 2: its exported target)."""
+    trained: Trained
+
+
+def run_config(folder: Path, recipe: Recipe, overrides: list[str] = ()):
+    """``folder``'s saved ``config.yaml`` as ``recipe.schema``, with ``key=value`` overrides. Raises
+    ``ValueError`` for an undeclared key or a value outside a choice."""
+    cfg = OmegaConf.merge(OmegaConf.structured(recipe.schema), OmegaConf.load(folder / "config.yaml"),
+                          OmegaConf.from_dotlist(list(overrides)))
+    return OmegaConf.to_object(cfg)
+
+
+def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None = None) -> SavedRun:
+    """A finished run of any registered drafter: its config (with overrides), target and drafter, read by the
+    drafter's strict loader from its save or from ``weights`` (an export folder, relative to the run or
+    absolute). Raises ``FileNotFoundError`` for a folder holding no finished run, ``ValueError`` for weights
+    that do not fit the target."""
+    folder = Path(run_dir)
+    recipe = drafters.of_run(folder)
+    conf = run_config(folder, recipe, overrides)
+    target, tokenizer, path = load_target(recipe.target_of(folder, conf), conf.cache_dir)
+    return SavedRun(folder, recipe, conf, target, tokenizer, path, recipe.load(folder, conf, target, weights))
+
+
+@dataclass
+class PeerRun:
+    """Another run's drafter, measured beside this run's on the same prompts and target."""
+    folder: Path
+    recipe: Recipe
+    conf: object
+    trained: Trained
+
+
+def load_peer_runs(folders: list[str], identity: dict, target) -> tuple[list[PeerRun], list[str]]:
+    """The runs of ``eval.peer_runs`` that fit: finished, of a registered drafter, made for the target whose
+    identity is ``identity``, their drafter loaded onto ``target``. Returns them and one note per run
+    (``measured`` or why it was skipped: a peer that does not fit is never a failure). Loading draws nothing
+    from the global RNG (training after it stays the same)."""
+    peers, notes = [], []
+    with torch.random.fork_rng(devices=[]):
+        for name in folders:
+            folder = Path(name)
+            try:
+                theirs = json.loads((folder / TARGET_FILE).read_text()) if (folder / TARGET_FILE).exists() else None
+                if theirs is not None and theirs != identity:
+                    raise ValueError(f"made for another target: (peer, this run) differ in "
+                                     f"{ {k: (theirs.get(k), v) for k, v in identity.items() if theirs.get(k) != v} }")
+                recipe = drafters.of_run(folder)
+                conf = run_config(folder, recipe)
+                peers.append(PeerRun(folder, recipe, conf, recipe.load(folder, conf, target)))
+                notes.append(f"{folder}: {recipe.name}, measured")
+            except (FileNotFoundError, ValueError) as e:
+                notes.append(f"{folder}: skipped ({e})")
+    return peers, notes
+
+
+def peer_methods(conf, peers: list[PeerRun], target, tokenizer, sampling: Sampling, taken: set[str]) -> dict:
+    """Every peer run's methods at ``sampling`` with this run's eval settings: its chain (by its drafter's
+    name) and its own peers; a name already ``taken`` gets ``@<run folder name>``."""
+    methods = {}
+    eos, n = tokenizer.eos_token_id, conf.eval.max_new_tokens
+    for peer in peers:
+        peer_conf = replace(peer.conf, eval=conf.eval)
+        chain = peer.recipe.chain(peer_conf, peer.trained, target)
+        own = {chain.name: lambda ids, gen, d=chain: speculative_decode(target, d, ids, n, eos, sampling, gen)}
+        own |= peer.recipe.peers(peer_conf, peer.trained, target, tokenizer, sampling)
+        for name, decode in own.items():
+            key = name if name not in taken | methods.keys() else f"{name}@{peer.folder.name}"
+            methods[key] = decode
+    return methods
+
+
+def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, eval_sets: dict,
+                     peers: list[PeerRun] = ()) -> dict:
+    """Speculative evaluation of ``trained`` (its chain) beside its own methods, the peer runs' and prompt
+    lookup, on every eval set and temperature (:func:`draftheads.evaluation.methods.evaluate_methods`)."""
+    drafter = recipe.chain(conf, trained, target)
+
+    def peers_at(sampling: Sampling) -> dict:
+        own = recipe.peers(conf, trained, target, tokenizer, sampling)
+        own |= peer_methods(conf, list(peers), target, tokenizer, sampling, {drafter.name, *own})
+        return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
+
+    return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at)

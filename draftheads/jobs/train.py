@@ -1,0 +1,71 @@
+"""A training job for any registered drafter, and the one end of run they all share.
+
+    open the job (config, accelerator, target, eval sets, the recipe's checks, resume point, peer runs)
+    -> self-distilled rows and target states -> the recipe's stages on the spine
+    -> rank 0: validate, save, export -> report.json (atomic) -> evaluate -> report.json again
+
+Everything that can fail runs before training; nothing that fails after it loses the trained drafter: it is
+saved and exported before evaluation, and ``report.json`` says which steps finished.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from omegaconf import DictConfig
+
+from draftheads import drafters
+from draftheads.evaluation.evaluator import format_table, hardware, log_eval, write_report
+from draftheads.jobs.runs import evaluate_drafter, load_peer_runs
+from draftheads.training.job import Job, close_job, job_rows, open_job
+from draftheads.training.recipe import Recipe, Trained
+from draftheads.training.runtime import distributed
+
+NOTES = "acceptance_length counts the bonus token; alpha is conditional on earlier positions"
+
+
+def train(name: str, cfg: DictConfig) -> dict:
+    """The whole job of drafter ``name`` for a composed config; returns the report (main process) or {}."""
+    recipe = drafters.get(name)
+    job = open_job(cfg, recipe)
+    peers, peer_notes = [], []
+    if job.accelerator.is_main_process and job.conf.eval.enabled:
+        peers, peer_notes = load_peer_runs(job.conf.eval.peer_runs, job.identity, job.target)
+    train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
+                                                 attach=recipe.attach_states(job.conf))
+    trained = recipe.train(job, train_rows)
+    report = {}
+    if job.accelerator.is_main_process:
+        report = finish_run(job, recipe, trained, val_rows, {"data": data_report.as_dict(),
+                                                             "train_curves": trained.curves}, peers, peer_notes)
+    return close_job(job, report)
+
+
+def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict,
+               peers: list = (), peer_notes: list[str] = ()) -> dict:
+    """Validate, save, export, write ``report.json``, then evaluate and write it again; returns the report.
+    ``report["finished"]`` lists the steps done, so a report left by a failed evaluation says so. Metrics are
+    logged at ``trained.step``, the last training step on the tracker's axis."""
+    conf, out = job.conf, job.out
+    val = recipe.validate(job, trained, val_rows)
+    job.accelerator.log(val, step=trained.step)
+    print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())
+                                                     if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
+    report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
+              "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
+              "dtype": conf.model.dtype, "validation": val, **extra, "notes": NOTES}
+    report |= recipe.save(job, trained)
+    report["finished"] = ["training", "validation", "save"]
+    if conf.export:
+        report["exports"] = {**report.get("exports", {}), **recipe.export(out, job.target, trained)}
+        report["finished"].append("export")
+    print(f"report: {write_report(report, out)}", flush=True)
+    if conf.eval.enabled:
+        report["peer_runs"] = list(peer_notes)
+        report["eval"] = evaluate_drafter(conf, recipe, trained, job.target, job.tokenizer, job.eval_sets, peers)
+        report["finished"].append("evaluation")
+        print(format_table(report["eval"]), flush=True)
+        print(f"report: {write_report(report, out)}", flush=True)
+        log_eval(job.accelerator, report["eval"], out / "acceptance.png", trained.step)
+    return report

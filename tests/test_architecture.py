@@ -1,0 +1,118 @@
+"""The shape of the house: one import namespace, imports that only point down, thin doors, self-contained tests,
+and an install that adds nothing but ``draftheads`` to site-packages."""
+
+import ast
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+FOLDERS = {"draftheads": ROOT / "draftheads", "draftheads.models": ROOT / "models", "draftheads.data": ROOT / "data"}
+"""Where each part of the namespace lives on disk (pyproject's package-dir)."""
+
+LAYERS = ["draftheads.choice", "draftheads.packaged", "draftheads.models", "draftheads.data",
+          "draftheads.evaluation", "draftheads.training", "draftheads.drafters", "draftheads.jobs", "train"]
+"""Bottom to top: a module may import its own layer and those below it, never one above."""
+
+
+def modules() -> dict[str, Path]:
+    """Every library module and entry script by its import name (``train.<door>`` for the doors)."""
+    found = {}
+    for prefix, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            if prefix == "draftheads" and path.relative_to(folder).parts[0] in ("models", "data"):
+                continue
+            parts = [*prefix.split("."), *path.relative_to(folder).with_suffix("").parts]
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    found |= {f"train.{p.stem}": p for p in (ROOT / "train").glob("*.py")}
+    return found
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute module names a file imports (``from x import y`` counts ``x`` and ``x.y``)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def layer(name: str) -> int | None:
+    """The layer index of a module name, None outside draftheads and the doors."""
+    return max((i for i, top in enumerate(LAYERS) if name == top or name.startswith(top + ".")), default=None)
+
+
+def drafter_of(name: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["draftheads", "drafters"] else None
+
+
+def forbidden(edges: list[tuple[str, str]]) -> list[str]:
+    """The edges that break the house's rules, each said in words."""
+    bad = []
+    for src, dst in edges:
+        if dst.split(".")[0] in ("models", "data", "train") and not src.startswith("train."):
+            bad.append(f"{src} imports {dst}: outside the draftheads namespace (or an entry script)")
+        elif src.startswith("train.") and dst.startswith("train"):
+            bad.append(f"{src} imports {dst}: an entry script imports another")
+        elif layer(dst) is not None and layer(src) is not None and layer(dst) > layer(src):
+            bad.append(f"{src} imports {dst}: {LAYERS[layer(dst)]} is above {LAYERS[layer(src)]}")
+        elif drafter_of(src) and drafter_of(dst) and drafter_of(src) != drafter_of(dst):
+            bad.append(f"{src} imports {dst}: one drafter's folder imports another's")
+    return bad
+
+
+def test_imports_point_down_and_doors_are_thin():
+    found = modules()
+    edges = [(name, dst) for name, path in found.items() for dst in imports(path)]
+    assert forbidden(edges) == []
+    for name, path in found.items():
+        if name.startswith("train."):
+            tree = ast.parse(path.read_text())
+            assert ast.get_docstring(tree), f"{path}: an entry script opens with its usage"
+            defs = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
+            assert len(defs) <= 1 and len(path.read_text().splitlines()) < 60, f"{path} is not a thin door"
+
+
+@pytest.mark.parametrize("edge, rule", [
+    (("draftheads.models.target", "draftheads.data.sources"), "is above"),
+    (("draftheads.training.job", "draftheads.drafters.medusa.recipe"), "is above"),
+    (("draftheads.drafters.dflash.recipe", "draftheads.drafters.medusa.heads"), "another's"),
+    (("draftheads.jobs.train", "train.medusa"), "outside the draftheads namespace"),
+    (("train.export", "train.evaluate"), "an entry script imports another"),
+    (("draftheads.data.pipeline", "models.target"), "outside the draftheads namespace"),
+])
+def test_a_forbidden_edge_is_named(edge, rule):
+    assert rule in " ".join(forbidden([edge]))
+
+
+def test_no_test_module_imports_another():
+    for path in (ROOT / "tests").rglob("*.py"):
+        tests = {n for n in imports(path) if n.startswith("tests.") and n.count(".") == 1}
+        assert tests <= {"tests.helpers"}, f"{path} imports {tests}: shared pieces belong in tests/helpers.py"
+
+
+def test_a_non_editable_install_adds_only_the_draftheads_namespace(tmp_path):
+    """``pip install .`` (a wheel) holds draftheads.* only, and every package folder on disk is in it (a new
+    drafter's folder missing from pyproject's package list fails here, not on a user's machine)."""
+    source = tmp_path / "source"  # a copy: setuptools builds inside the source tree (build/); keep ours clean
+    for name in ("draftheads", "models", "data"):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
+                   check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("draftheads-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert tops == {"draftheads"}
+    packages = {str(Path(n).parent).replace("/", ".") for n in names if n.endswith("__init__.py")}
+    on_disk = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert on_disk == packages
