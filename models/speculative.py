@@ -97,7 +97,7 @@ class DecodeResult:
     """Plain decoding only: target logit gap between its top-2 tokens at each step (ties show as tiny gaps)."""
 
 
-def _forward(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
+def target_step(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
              layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n]`` new token ids through the target with its cache -> ``[n, D]`` last hidden states, and
     ``[n, K*D]`` outputs of decoder layers ``layer_ids`` (None when empty)."""
@@ -107,7 +107,7 @@ def _forward(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
     return hidden, features
 
 
-def _cut(tokens: list[int], budget: int, eos_id: int | None) -> tuple[list[int], bool]:
+def cut_at_stop(tokens: list[int], budget: int, eos_id: int | None) -> tuple[list[int], bool]:
     """Tokens up to the budget and the first EOS (kept); and whether decoding should stop."""
     if eos_id is not None and eos_id in tokens:
         tokens = tokens[:tokens.index(eos_id) + 1]
@@ -159,16 +159,16 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
     lm_head = target.get_output_embeddings()
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    hidden = _forward(target, prompt_ids, cache)[0][-1]
+    hidden = target_step(target, prompt_ids, cache)[0][-1]
     result = DecodeResult(tokens=[], target_forwards=1)
     while True:
         logits = lm_head(hidden).cpu()
         top2 = logits.topk(2).values
         result.top2_gaps.append(float(top2[0] - top2[1]))
-        result.tokens, stop = _cut(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, eos_id)
+        result.tokens, stop = cut_at_stop(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, eos_id)
         if stop:
             break
-        hidden = _forward(target, prompt_ids.new_tensor(result.tokens[-1:]), cache)[0][-1]
+        hidden = target_step(target, prompt_ids.new_tensor(result.tokens[-1:]), cache)[0][-1]
         result.target_forwards += 1
     result.seconds = time.perf_counter() - start
     return result
@@ -192,11 +192,11 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     start = time.perf_counter()
     drafter.start()
     cache = DynamicCache(config=target.config)
-    states, features = _forward(target, prompt_ids, cache, layer_ids)
+    states, features = target_step(target, prompt_ids, cache, layer_ids)
     hidden = states[-1]
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
     result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma)
-    result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
+    result.tokens, stop = cut_at_stop([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
         q_logits = drafter.draft_logits(hidden, x0, features).float().cpu()
@@ -205,7 +205,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
         ids = torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)])
-        states, features = _forward(target, ids, cache, layer_ids)
+        states, features = target_step(target, ids, cache, layer_ids)
         n, next_token = accept_chain(draft, q_logits, lm_head(states).cpu(), sampling, generator)
         result.target_forwards += 1
         cache.crop(-(len(draft) - n))  # x0 and the accepted drafts stay; rejected drafts leave the cache
@@ -213,7 +213,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         result.verify_seconds += time.perf_counter() - t_verify
         emitted = draft[:n].tolist() + [next_token]
         before = len(result.tokens)
-        result.tokens, stop = _cut(result.tokens + emitted, max_new_tokens, eos_id)
+        result.tokens, stop = cut_at_stop(result.tokens + emitted, max_new_tokens, eos_id)
         result.accepted_per_step.append(n)
         result.emitted_per_step.append(len(result.tokens) - before)
         hidden, x0 = states[n], next_token
@@ -247,5 +247,5 @@ def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_
                               eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0, **knobs)
     finally:
         hook.remove()
-    tokens, _ = _cut(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos_id)
+    tokens, _ = cut_at_stop(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos_id)
     return DecodeResult(tokens=tokens, target_forwards=len(forwards), seconds=time.perf_counter() - start)

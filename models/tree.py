@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftheads.models.speculative import ChainDrafter, DecodeResult, _cut, _forward
+from draftheads.models.speculative import ChainDrafter, DecodeResult, cut_at_stop, target_step
 
 
 @dataclass(frozen=True)
@@ -156,10 +156,10 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     ranks = torch.tensor(tree.rank[1:])
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
-    hidden = _forward(target, prompt_ids, cache)[0][-1]
+    hidden = target_step(target, prompt_ids, cache)[0][-1]
     x0 = int(lm_head(hidden).argmax())
     result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth))
-    result.tokens, stop = _cut([x0], max_new_tokens, eos_id)
+    result.tokens, stop = cut_at_stop([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
         top = drafter.draft_logits(hidden, x0, None).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
@@ -186,7 +186,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         bonus = int(logits[best].argmax())
         emitted = [int(tokens[i]) for i in path] + [bonus]
         before = len(result.tokens)
-        result.tokens, stop = _cut(result.tokens + emitted, max_new_tokens, eos_id)
+        result.tokens, stop = cut_at_stop(result.tokens + emitted, max_new_tokens, eos_id)
         result.accepted_per_step.append(len(path))
         result.emitted_per_step.append(len(result.tokens) - before)
         hidden, x0 = states[best], bonus

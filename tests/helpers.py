@@ -4,6 +4,7 @@ engine."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -63,3 +64,10 @@ def launch(job: str, output_dir: Path, cache_dir, *overrides: str, engine: str =
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((Path(output_dir) / "report.json").read_text())
+
+
+def cut_back(run_dir: Path, checkpoint: str, dest: Path) -> Path:
+    """``dest`` holding only ``run_dir``'s checkpoint ``checkpoint`` (as if the run had been killed right after
+    writing it), to resume from."""
+    shutil.copytree(run_dir / "checkpoints" / checkpoint, dest / "checkpoints" / checkpoint)
+    return dest

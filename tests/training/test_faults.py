@@ -19,8 +19,8 @@ from draftheads.training.checkpoint import complete_checkpoints
 from draftheads.training.config import StageConfig, TrainerConfig
 from draftheads.training.job import check_writable
 from draftheads.training.spine import fit
+from tests.helpers import ROOT, SMOKE_STAGES
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class ToyStrategy:
@@ -104,7 +104,6 @@ def test_an_unwritable_output_dir_fails_before_any_work(tmp_path):
 def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_dir):
     """The smoke Medusa job (stage 1 only) is killed with SIGKILL right after its second checkpoint and resumed:
     its heads equal, bit for bit, those of the same job never interrupted."""
-    from tests.helpers import SMOKE_STAGES
     args = ["+experiment=smoke", *SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", "export=false",
             "trainer.checkpoint_every=3", f"cache_dir={cache_dir}"]
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
@@ -138,7 +137,6 @@ def test_a_rank_that_dies_ends_every_rank_promptly(tmp_path, cache_dir):
     """One of two DDP ranks is killed mid-training: the launcher and the other rank end within a minute with
     an error, instead of the survivor waiting in a collective until the timeout."""
     import psutil
-    from tests.helpers import SMOKE_STAGES
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",

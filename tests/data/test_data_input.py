@@ -18,8 +18,9 @@ from draftheads.data.regenerate import GenerationSettings, OpenAIBackend, answer
 from draftheads.data.sources import PromptSource
 from draftheads.drafters import register_configs
 from draftheads.training.config import DataConfig
+from tests.helpers import CONF, ROOT
 
-CONF = str(Path(__file__).resolve().parents[1] / "conf")
+
 register_configs()
 
 GOOD = [
@@ -225,7 +226,7 @@ def test_two_ranks_share_the_regeneration_and_match_one_process(tmp_path):
     import os
     import subprocess
     import sys
-    root = Path(__file__).resolve().parents[1]
+    root = ROOT
     files, logs = {}, {}
     for procs, name in ((["--multi_gpu", "--num_processes", "2"], "two"), (["--num_processes", "1"], "one")):
         cache = tmp_path / f"cache_{name}"

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from draftheads.drafters.medusa.export import load_heads, load_tgi_medusa, load_vllm_medusa
 from draftheads.jobs.evaluate import cli as evaluate_main
-from tests.helpers import SMOKE_STAGES, launch, smoke
+from tests.helpers import SMOKE_STAGES, cut_back, launch, smoke
 from tests.helpers import run_medusa as run
 
 
@@ -74,11 +74,7 @@ def test_stage2_changed_exactly_the_last_n_layers(smoke_run, cache_dir):
 def test_resumed_run_ends_with_the_same_weights(smoke_run, tmp_path, cache_dir):
     """Cut the finished run back to its first stage-1 checkpoint, resume: the same heads and target."""
     out, _ = smoke_run
-    cut = tmp_path / "cut"
-    shutil.copytree(out / "checkpoints", cut / "checkpoints")
-    for d in sorted((cut / "checkpoints").iterdir()):
-        if d.name != "stage1-step000005":
-            shutil.rmtree(d)
+    cut = cut_back(out, "stage1-step000005", tmp_path / "cut")
     report = run(smoke_cfg(cut, cache_dir, "resume=true", "trainer.keep_last=100"))
     assert report["train_curves"]["stage1"][0]["step"] > 5
     for rel in ("medusa_heads/medusa_heads.safetensors", "export/target/model.safetensors"):

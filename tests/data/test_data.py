@@ -21,6 +21,7 @@ from draftheads.data.regenerate import GenerationSettings, Regenerated, Transfor
 from draftheads.data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
                           PromptSource, chitchat_prompts, humaneval_prompts)
 from draftheads.models.target import TINY, TargetSpec, load_target
+from tests.helpers import ROOT
 
 ALL = 10**9  # a limit no source reaches
 REAL_GENERATE = regen_mod.generate_ids  # before any test monkeypatches it
@@ -123,7 +124,7 @@ def test_chitchat_is_deterministic_across_processes():
             "print(json.dumps([asdict(p) for p in chitchat_prompts('eval', 30)]))")
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=ROOT)
     assert json.loads(out.stdout) == here
 
 

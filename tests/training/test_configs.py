@@ -1,6 +1,5 @@
 """Every config composes; overrides and errors behave as documented."""
 
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -9,8 +8,9 @@ from hydra.errors import ConfigCompositionException
 from draftheads.drafters import DRAFTERS, get, register_configs
 from draftheads.drafters.medusa.config import MedusaRunConfig
 from draftheads.training.config import to_schema
+from tests.helpers import ROOT
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = ROOT / "conf"
 register_configs()
 
 
@@ -129,7 +129,7 @@ def test_every_group_preset_composes(group):
         assert isinstance(cfg, MedusaRunConfig), preset
 
 
-LAUNCH = Path(__file__).resolve().parents[1] / "launch"
+LAUNCH = ROOT / "launch"
 EXPECTED_LAUNCH = {"single": "NO", "ddp": "MULTI_GPU", "ddp_cpu": "MULTI_CPU", "multinode": "MULTI_GPU",
                    "fsdp": "FSDP", "deepspeed_zero2": "DEEPSPEED", "deepspeed_zero3": "DEEPSPEED"}
 

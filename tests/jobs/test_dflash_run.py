@@ -14,7 +14,7 @@ from draftheads.jobs.evaluate import cli as evaluate_main
 from draftheads.jobs.export import cli as export_main
 from draftheads.jobs.runs import load_peer_runs
 from draftheads.models.target import TINY, TargetSpec, load_target
-from tests.helpers import launch, run_dflash, run_medusa
+from tests.helpers import cut_back, launch, run_dflash, run_medusa
 from tests.helpers import smoke as cfg
 
 
@@ -62,11 +62,7 @@ def test_dflash_job_trains_exports_and_evaluates_beside_medusa(dflash_run, cache
 
 def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cache_dir, medusa_run):
     out, _ = dflash_run
-    cut = tmp_path / "cut"
-    shutil.copytree(out / "checkpoints", cut / "checkpoints")
-    for d in sorted((cut / "checkpoints").iterdir()):
-        if d.name != "dflash-step000005":
-            shutil.rmtree(d)
+    cut = cut_back(out, "dflash-step000005", tmp_path / "cut")
     report = run_dflash(cfg("dflash", cut, cache_dir, "train.epochs=6", "resume=true", "eval.enabled=false",
                             f"eval.peer_runs=[{medusa_run}]", "dflash.block_size=8"))
     assert report["train_curves"]["dflash"][0]["step"] > 5

@@ -11,8 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, launch
-from tests.helpers import SMOKE_STAGES
+from tests.helpers import ROOT, SMOKE_STAGES, launch
 
 pytest.importorskip("deepspeed")
 

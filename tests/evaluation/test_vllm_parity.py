@@ -3,7 +3,6 @@ our counters are vLLM's, the server's Prometheus counters are parsed per positio
 outputs and tau within the tolerance."""
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +13,6 @@ from tests.helpers import StubDrafter, smoke
 from draftheads.evaluation.parity import TOLERANCE, acceptance, compare, our_side
 from draftheads.evaluation.vllm_runner import parse_prometheus
 
-ROOT = Path(__file__).resolve().parents[1]
 
 SCRAPE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter

@@ -14,9 +14,8 @@ from safetensors.torch import load_file
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache, write_cache, write_manifest
 from draftheads.jobs.cache import cache_states
-from tests.helpers import SMOKE_STAGES, run_dflash, run_medusa, smoke
+from tests.helpers import ROOT, SMOKE_STAGES, run_dflash, run_medusa, smoke
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows_of(lengths, vocab, seed=1):
