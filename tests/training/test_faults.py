@@ -68,7 +68,7 @@ def test_skipping_non_finite_batches_counts_them_and_keeps_the_weights_finite(tm
     assert state.history[-1]["toy/skipped_nonfinite"] == 2
     last, meta = complete_checkpoints(tmp_path)[-1]
     assert meta["step"] == state.step and meta["done"]
-    with pytest.raises(ValueError, match="skip with grad_accum 1"):
+    with pytest.raises(ValueError, match="skip needs trainer.grad_accum 1"):
         toy_fit(tmp_path / "accum", poison=7, nonfinite="skip", grad_accum=2)
 
 
