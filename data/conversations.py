@@ -137,7 +137,7 @@ def _prompt_value(value: object, name: str, where: str) -> str:
         raise BadRow(where, name, "non_string_content", f"must be a string, got {type(value).__name__}")
     if not value.strip():
         raise BadRow(where, name, "empty_conversation", "must be a non-empty string")
-    return value
+    return _utf8(value, where, name)
 
 
 def _field_turns(row: dict, where: str, name: str) -> list[dict]:
@@ -167,13 +167,25 @@ def _turns(row: dict, where: str, key: str, role_key: str, content_key: str) -> 
         if not isinstance(content, str):
             raise BadRow(where, f"{name}.{content_key}", "non_string_content",
                          f"must be a string, got {type(content).__name__}")
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": _utf8(content, where, f"{name}.{content_key}")})
     return out
+
+
+def _utf8(text: str, where: str, name: str) -> str:
+    """``text`` when it is valid Unicode; :class:`BadRow` (``invalid_utf8``) for a lone surrogate (half an emoji,
+    ``"\\ud83d"`` in JSON), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise BadRow(where, name, "invalid_utf8", f"character {e.start} is a lone surrogate "
+                                                  f"({text[e.start]!r}): not valid Unicode text") from None
+    return text
 
 
 def normalise(turns: list[dict], where: str) -> list[dict]:
     """Drop empty turns, merge consecutive turns of one role, check the order. Raises :class:`BadRow` for
-    an empty conversation, a system turn after the first, or no user turn."""
+    an empty conversation, a system turn after the first, no user turn, or an assistant turn before any
+    user turn."""
     merged: list[dict] = []
     for t in turns:
         if not t["content"].strip():
@@ -188,6 +200,10 @@ def normalise(turns: list[dict], where: str) -> list[dict]:
         raise BadRow(where, "messages", "system_not_first", "a system turn may only come first")
     if not any(t["role"] == "user" for t in merged):
         raise BadRow(where, "messages", "no_user_turn", "no user turn")
+    first = merged[1] if merged[0]["role"] == "system" else merged[0]
+    if first["role"] == "assistant":
+        raise BadRow(where, "messages", "assistant_first", "the first turn (after any system prompt) is the "
+                                                          "assistant's: it answers no user turn")
     return merged
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from draftheads.data.batching import DataReport, rows_from_chats
 from draftheads.data.conversations import load_chats
-from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate
+from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate, resolve_reasoning
 from draftheads.data.templates import TemplateRejected, apply_system_policy, check_template, render
 
 
@@ -80,7 +80,8 @@ def make_backend(data_cfg, target, tokenizer):
     server = data_cfg.server
     if server.base_url:
         return OpenAIBackend(server.base_url, server.model, data_cfg.generation, server.api_key,
-                             server.concurrency, server.max_retries, server.timeout_s)
+                             server.concurrency, server.max_retries, server.timeout_s,
+                             resolve_reasoning(data_cfg.reasoning, tokenizer.chat_template))
     return TransformersBackend(target, tokenizer, data_cfg.generation)
 
 

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from draftheads.choice import Choice
 from draftheads.data.conversations import Chat
 from draftheads.data.templates import check_template
 
@@ -53,10 +54,33 @@ class Regenerated:
 
 
 class Backend(Protocol):
-    """Answers a batch of histories (each ends with a user turn): ``(text, finished)`` or the exception."""
+    """Answers a batch of histories (each ends with a user turn): ``(assistant turn, finished)`` or the
+    exception; the turn is ``{"role": "assistant", "content": ...}`` (and ``reasoning_content`` when kept so)."""
     name: str
 
-    def answer(self, histories: list[list[dict]]) -> list[tuple[str, bool] | Exception]: ...
+    def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool] | Exception]: ...
+
+
+class Reasoning(Choice):
+    """What becomes of a reasoning model's reasoning text that an OpenAI-compatible server returns apart from
+    the answer (``message.reasoning_content``; ``data.reasoning``)."""
+    auto = "auto"
+    """``field`` when the chat template renders ``reasoning_content``, ``inline`` when it parses ``</think>``
+    blocks out of the content (Qwen3, DeepSeek-R1), else ``drop``: kept where the target's template renders it."""
+    inline = "inline"
+    """``<think>\n{reasoning}\n</think>\n\n{answer}`` as the content."""
+    field = "field"
+    """The turn's ``reasoning_content``, beside the content."""
+    drop = "drop"
+
+
+def resolve_reasoning(mode: Reasoning, chat_template: str | None) -> Reasoning:
+    """``auto`` made concrete for a chat template (see :class:`Reasoning`)."""
+    if mode != Reasoning.auto:
+        return mode
+    template = chat_template or ""
+    return (Reasoning.field if "reasoning_content" in template else
+            Reasoning.inline if "</think>" in template else Reasoning.drop)
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, text_or_messages) -> list[int]:
@@ -80,13 +104,13 @@ class TransformersBackend:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
 
     @torch.inference_mode()
-    def answer(self, histories: list[list[dict]]) -> list[tuple[str, bool]]:
+    def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool]]:
         encoded = [prompt_ids(self.tokenizer, h) for h in histories]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-        out: list[tuple[str, bool]] = [("", False)] * len(encoded)
+        out: list[tuple[dict, bool]] = [({}, False)] * len(encoded)
         for i, (ids, finished) in zip(order, generate_ids(self.model, self.tokenizer, [encoded[i] for i in order],
                                                           self.settings)):
-            out[i] = (self.tokenizer.decode(ids[:-1] if finished else ids), finished)
+            out[i] = ({"role": "assistant", "content": self.tokenizer.decode(ids[:-1] if finished else ids)}, finished)
         return out
 
 
@@ -112,26 +136,38 @@ def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationS
 class OpenAIBackend:
     """Any OpenAI-compatible chat-completions server (``vllm serve``, SGLang, TGI's Messages API) through the
     ``openai`` client: ``concurrency`` requests in flight, each retried ``max_retries`` times with backoff by the
-    client. ``finished`` is the server's ``finish_reason == "stop"``."""
-    name = "openai"
+    client. ``finished`` is the server's ``finish_reason == "stop"``. A reasoning model's ``reasoning_content``
+    is kept as ``reasoning`` says (:class:`Reasoning`, resolved for the target's chat template), so the trained
+    answer and the next turn's history hold it where the template renders it."""
 
     def __init__(self, base_url: str, model: str, settings: GenerationSettings, api_key: str = "EMPTY",
-                 concurrency: int = 16, max_retries: int = 3, timeout_s: float = 600.0):
+                 concurrency: int = 16, max_retries: int = 3, timeout_s: float = 600.0,
+                 reasoning: Reasoning = Reasoning.drop):
         from openai import OpenAI
         self.client = OpenAI(base_url=base_url, api_key=api_key, max_retries=max_retries, timeout=timeout_s)
-        self.model, self.settings, self.concurrency = model, settings, concurrency
+        self.model, self.settings, self.concurrency, self.reasoning = model, settings, concurrency, reasoning
+        self.name = f"openai+reasoning-{reasoning}"  # in the cache key: another mode, other training text
 
-    def _one(self, history: list[dict]) -> tuple[str, bool] | Exception:
+    def _one(self, history: list[dict]) -> tuple[dict, bool] | Exception:
         try:
             reply = self.client.chat.completions.create(
                 model=self.model, messages=history, max_tokens=self.settings.max_new_tokens,
                 temperature=self.settings.temperature, top_p=self.settings.top_p, seed=self.settings.seed)
             choice = reply.choices[0]
-            return choice.message.content or "", choice.finish_reason == "stop"
+            return self._turn(choice.message.content or "", getattr(choice.message, "reasoning_content", None)), \
+                choice.finish_reason == "stop"
         except Exception as e:  # counted as a failed row; the run goes on
             return e
 
-    def answer(self, histories: list[list[dict]]) -> list[tuple[str, bool] | Exception]:
+    def _turn(self, content: str, reasoning: str | None) -> dict:
+        if reasoning and self.reasoning == Reasoning.inline:
+            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content}"
+        turn = {"role": "assistant", "content": content}
+        if reasoning and self.reasoning == Reasoning.field:
+            turn["reasoning_content"] = reasoning
+        return turn
+
+    def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool] | Exception]:
         with ThreadPoolExecutor(self.concurrency) as pool:
             return list(pool.map(self._one, histories))
 
@@ -152,10 +188,10 @@ def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
             if isinstance(result, Exception):
                 errors[i] = f"turn {k}: {type(result).__name__}: {result}"
                 continue
-            text, finished = result
+            turn, finished = result
             if not finished:
                 unfinished[i].append(len(histories[i]))
-            histories[i].append({"role": "assistant", "content": text})
+            histories[i].append(turn)
     return [Regenerated(c.source, c.row, list(c.messages), error=e) if e else
             Regenerated(c.source, c.row, h, u) for c, h, u, e in zip(chats, histories, unfinished, errors)]
 

@@ -3,7 +3,9 @@
 The trainable span of an assistant turn is its text as the template renders it plus its end-of-turn token
 (``<|im_end|>``, ``<|eot_id|>``, ``</s>``, ``<end_of_turn>``...), never the role header, the user's turns or
 the whitespace the template puts after the end-of-turn token. Two ways to find it:
-- templates with generation markers (``{% generation %}``): transformers' ``return_assistant_tokens_mask``;
+- templates with generation markers (``{% generation %}``): transformers' ``return_assistant_tokens_mask``, each
+  run made exactly the assistant's tokens plus one end-of-turn token whatever the markers enclose (the newline
+  after it, or the text only); markers that miss a turn (an empty answer) fall back to diffing;
 - any other template: render the conversation up to each assistant turn (with the generation prompt) and
   through it, and diff the strings. A template that renders a turn differently once later turns follow
   (Qwen3 drops earlier turns' ``<think>`` blocks) is handled by ending the turn at its end-of-turn marker in
@@ -26,6 +28,11 @@ class TemplateRejected(ValueError):
     """The chat template raised on this conversation (e.g. roles that do not alternate)."""
 
 
+RENDER_ERRORS = (TemplateError, ValueError, TypeError, KeyError, IndexError)
+"""What rendering one conversation can raise: the template's own ``raise_exception`` and Jinja errors, and
+transformers' checks (an empty conversation...). Each becomes a :class:`TemplateRejected` naming the row."""
+
+
 def check_template(tokenizer: PreTrainedTokenizerBase) -> None:
     """Raises ``ValueError`` suggesting ``model.chat_template`` when the tokenizer has no chat template."""
     if not tokenizer.chat_template:
@@ -37,7 +44,7 @@ def render(tokenizer: PreTrainedTokenizerBase, messages, generation_prompt: bool
     """The template's text for ``messages``. Raises :class:`TemplateRejected` with the template's message."""
     try:
         return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
-    except TemplateError as e:
+    except RENDER_ERRORS as e:
         raise TemplateRejected(f"the chat template rejected the conversation: {e}") from None
 
 
@@ -116,9 +123,11 @@ def chat_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], train_
     if train_on not in ("all", "last"):
         raise ValueError(f"data.train_on={train_on!r} must be all or last")
     assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    if GENERATION_MARKER.search(tokenizer.chat_template):
+    try:
+        if not GENERATION_MARKER.search(tokenizer.chat_template):
+            raise TemplateRejected("no generation markers")
         ids, runs = _marked_turns(tokenizer, messages, len(assistant))
-    else:
+    except TemplateRejected:  # no markers, or markers that miss a turn (an empty answer): diff the renderings
         ids, runs = _diffed_turns(tokenizer, messages)
     keep = [(a, b - cut if i in unfinished else b) for i, (a, b, cut) in zip(assistant, runs)]
     keep = keep[-1:] if train_on == "last" else keep
@@ -133,19 +142,26 @@ GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 def _marked_turns(tokenizer, messages: list[dict], n_turns: int) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Token runs ``(start, end, end-of-turn tokens)`` of the assistant turns from the template's generation
-    markers (transformers' ``return_assistant_tokens_mask``)."""
+    markers (transformers' ``return_assistant_tokens_mask``), each made the assistant's tokens plus exactly one
+    end-of-turn token whatever the markers enclose: what follows that token inside them (a newline) is cut, and
+    a turn whose markers enclose the text only gets the end-of-turn token right after it. Raises
+    :class:`TemplateRejected` when the markers do not give one run per assistant turn (an empty answer's
+    markers enclose nothing)."""
     try:
         out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)
-    except TemplateError as e:
+    except RENDER_ERRORS as e:
         raise TemplateRejected(f"the chat template rejected the conversation: {e}") from None
     ids, marks = list(out["input_ids"]), list(out["assistant_masks"])
+    special = set(tokenizer.all_special_ids)
     runs, start = [], None
     for t, m in enumerate(marks + [0]):
         if m and start is None:
             start = t
         elif not m and start is not None:
-            runs.append((start, t, int(ids[t - 1] in tokenizer.all_special_ids)))
+            closing = next((i for i in range(start, t) if ids[i] in special), None)
+            end = closing + 1 if closing is not None else t + (t < len(ids) and ids[t] in special)
+            runs.append((start, end, int(ids[end - 1] in special)))
             start = None
     if len(runs) != n_turns:
         raise TemplateRejected(f"the template's generation markers cover {len(runs)} spans for {n_turns} "

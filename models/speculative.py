@@ -5,10 +5,15 @@ arXiv 2211.17192, Algorithm 1; Chen et al. 2023, arXiv 2302.01318): the draft mo
 the target's last hidden state; one target forward over ``[x0, d1..d_gamma]`` scores them all.
 - Greedy (temperature 0): the longest prefix where ``d_i`` is the target's argmax is accepted, plus the
   target's own next token (the bonus token). Output equals plain greedy decoding, up to floating-point ties.
-- Sampling (temperature > 0): ``d_i ~ q_i`` is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))``; at
-  the first rejection the token is drawn from ``normalize(max(0, p_i - q_i))``; when every draft is accepted
-  the bonus token is drawn from ``p_{gamma+1}``. p and q get the same temperature / top-k / top-p processing
-  before the ratio. Output is distributed exactly as plain sampling from the target (lossless).
+- Sampling (temperature > 0): draft ``d_i`` with proposal ``q_i`` is accepted with probability
+  ``min(1, p_i(d_i) / q_i(d_i))``; at the first rejection the token is drawn from ``normalize(max(0, p_i - q_i))``;
+  when every draft is accepted the bonus token is drawn from ``p_{gamma+1}``. p and q get the same temperature /
+  top-k / top-p processing before the ratio. Output is distributed exactly as plain sampling from the target
+  (lossless) for any proposal, and two are offered (:class:`Proposal`):
+  - ``argmax`` (default, as servers propose): ``d_i`` is q's argmax and q is one-hot, so ``d_i`` is accepted with
+    probability ``p_i(d_i)`` and a rejection draws from p without ``d_i``: vLLM's Medusa, EAGLE and DFlash
+    proposers with its rejection sampler (no draft probabilities), and SGLang's target-only verification.
+  - ``sample``: ``d_i ~ q_i`` (Leviathan et al.; z-lab's reference ``dflash`` package).
 
 Batch size 1, as in the papers' latency numbers.
 """
@@ -22,17 +27,33 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from draftheads.choice import Choice
 from draftheads.models.target import record_layer_outputs
+
+
+class Proposal(Choice):
+    """How a chain drafter's proposal becomes draft tokens at temperature > 0 (``eval.proposal``); at
+    temperature 0 drafts are always q's argmax."""
+    argmax = "argmax"
+    sample = "sample"
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """Token selection shared by the target and the draft model: ``temperature`` 0 is greedy."""
+    """Token selection shared by the target and the draft model: ``temperature`` 0 is greedy. Raises
+    ``ValueError`` for a negative temperature or top_k, or top_p outside (0, 1] (NaN probabilities)."""
     temperature: float = 0.0
     top_k: int = 0
     """Keep the k most likely tokens (0: all)."""
     top_p: float = 1.0
     """Keep the smallest set of tokens whose probability reaches top_p (1: all)."""
+    proposal: Proposal = Proposal.argmax
+    """How a chain drafter's proposal becomes draft tokens at temperature > 0 (both lossless)."""
+
+    def __post_init__(self):
+        if self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling needs temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got temperature "
+                             f"{self.temperature}, top_k {self.top_k}, top_p {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -85,16 +106,23 @@ class DecodeResult:
     tokens: list[int]
     target_forwards: int = 0
     seconds: float = 0.0
+    """Wall time of the whole decoding, the prefill included."""
+    prefill_seconds: float | None = None
+    """Wall time of the prompt's forward (None: the method does not separate it, as transformers' generate)."""
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     gamma: int = 0
     """Draft positions verified per step (0: the method reports no steps)."""
     accepted_per_step: list[int] = field(default_factory=list)
-    """Per verification step: draft tokens accepted (0..gamma); tokens emitted = accepted + 1."""
+    """Per verification step: draft tokens accepted (0..gamma), counted by the verification itself, before the
+    token budget or a stop token cuts what is emitted (as vLLM's rejection sampler and EAGLE count)."""
     emitted_per_step: list[int] = field(default_factory=list)
     """Per verification step: tokens emitted (accepted + bonus, cut at EOS or the token budget)."""
     top2_gaps: list[float] = field(default_factory=list)
     """Plain decoding only: target logit gap between its top-2 tokens at each step (ties show as tiny gaps)."""
+    logit_steps: list[float] = field(default_factory=list)
+    """Plain decoding only: the logits' resolution at each step, ``finfo(dtype).eps * |top-1 logit|`` (at least
+    one step of the dtype there: 0.125 for a bf16 logit of 20): a smaller gap is a rounding tie."""
 
 
 def target_step(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
@@ -122,13 +150,26 @@ def _select(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
     return int(torch.multinomial(sampling.probs(logits), 1, generator=generator))
 
 
-def accept_chain(draft: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor, sampling: Sampling,
+def propose(q_logits: torch.Tensor, sampling: Sampling,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens ``[g]`` from proposal logits ``[g, V]``, and the proposal probabilities ``[g, V]`` they are
+    verified against (None when greedy): by ``sampling.proposal``, q's argmax with q one-hot (``argmax``), or a
+    draw from the processed q (``sample``)."""
+    if sampling.greedy or sampling.proposal == Proposal.argmax:
+        draft = q_logits.argmax(-1)
+        return draft, None if sampling.greedy else torch.nn.functional.one_hot(draft, q_logits.shape[-1]).float()
+    q = sampling.probs(q_logits)
+    return torch.multinomial(q, 1, generator=generator)[:, 0], q
+
+
+def accept_chain(draft: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor, sampling: Sampling,
                  generator: torch.Generator | None = None) -> tuple[int, int]:
     """Verify one chain: ``(n accepted drafts, next token)``.
 
     Args:
-        draft: ``[g]`` proposed tokens; draft_logits: ``[g, V]`` their proposal logits (q before processing).
-        target_logits: ``[g + 1, V]``; row i is the target's logits for the token after candidate i.
+        draft: ``[g]`` proposed tokens; q: ``[g, V]`` the probabilities they were proposed with (:func:`propose`;
+            unused when greedy). target_logits: ``[g + 1, V]``; row i is the target's logits for the token after
+            candidate i.
     The next token is the bonus token (all accepted) or the corrected token at the first rejection.
     """
     if sampling.greedy:
@@ -136,7 +177,6 @@ def accept_chain(draft: torch.Tensor, draft_logits: torch.Tensor, target_logits:
         n = int((draft == predicted[:-1]).int().cumprod(0).sum())
         return n, int(predicted[n])
     p = sampling.probs(target_logits)
-    q = sampling.probs(draft_logits)
     u = torch.rand(len(draft), generator=generator)
     for i, x in enumerate(draft.tolist()):
         if u[i] * q[i, x] < p[i, x]:  # u < min(1, p/q) without dividing by a tiny q
@@ -160,11 +200,12 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
     start = time.perf_counter()
     cache = DynamicCache(config=target.config)
     hidden = target_step(target, prompt_ids, cache)[0][-1]
-    result = DecodeResult(tokens=[], target_forwards=1)
+    result = DecodeResult(tokens=[], target_forwards=1, prefill_seconds=time.perf_counter() - start)
     while True:
         logits = lm_head(hidden).cpu()
         top2 = logits.topk(2).values
         result.top2_gaps.append(float(top2[0] - top2[1]))
+        result.logit_steps.append(torch.finfo(logits.dtype).eps * abs(float(top2[0])))
         result.tokens, stop = cut_at_stop(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, eos_id)
         if stop:
             break
@@ -195,18 +236,16 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     states, features = target_step(target, prompt_ids, cache, layer_ids)
     hidden = states[-1]
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
-    result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma)
+    result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma, prefill_seconds=time.perf_counter() - start)
     result.tokens, stop = cut_at_stop([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
-        q_logits = drafter.draft_logits(hidden, x0, features).float().cpu()
-        draft = (q_logits.argmax(-1) if sampling.greedy
-                 else torch.multinomial(sampling.probs(q_logits), 1, generator=generator)[:, 0])
+        draft, q = propose(drafter.draft_logits(hidden, x0, features).float().cpu(), sampling, generator)
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
         ids = torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)])
         states, features = target_step(target, ids, cache, layer_ids)
-        n, next_token = accept_chain(draft, q_logits, lm_head(states).cpu(), sampling, generator)
+        n, next_token = accept_chain(draft, q, lm_head(states).cpu(), sampling, generator)
         result.target_forwards += 1
         cache.crop(-(len(draft) - n))  # x0 and the accepted drafts stay; rejected drafts leave the cache
         features = features[:n + 1] if features is not None else None  # the drafter's new context

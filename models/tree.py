@@ -98,8 +98,10 @@ def default_choices(topk_accuracy: list[list[float]], budget: int = 64) -> list[
 
 @dataclass(frozen=True)
 class TypicalAcceptance:
-    """Medusa's typical acceptance (paper eq. 3): accept x if p(x) > min(epsilon, delta * exp(-H(p))),
-    p at ``temperature``. Faster, not lossless: reports mark it so."""
+    """Medusa's typical acceptance (paper eq. 3) as its reference implements it (FasterDecoding/Medusa,
+    ``medusa/model/utils.py: evaluate_posterior``): accept x if p(x) > min(epsilon, delta * exp(-H(p))), p at
+    ``temperature``, the entropy smoothed as ``-sum p log(p + 1e-5)``; among the longest accepted paths, the one of
+    highest likelihood (sum of log p of its tokens). Faster, not lossless: reports mark it so."""
     epsilon: float = 0.09
     delta: float = 0.3
     temperature: float = 0.7
@@ -114,20 +116,32 @@ def _keep_path(cache: DynamicCache, past: int, nodes: list[int]) -> None:
                                   layer.values.index_select(-2, index.to(layer.values.device))], -2)
 
 
-def _accepted(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor, typical: TypicalAcceptance | None) -> torch.Tensor:
-    """``[N + 1]`` bool: node i's token accepted given its parent's target distribution (root: True)."""
+def _accepted(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
+              typical: TypicalAcceptance | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N + 1]`` bool: node i's token accepted given its parent's target distribution (root: True), and
+    ``[N + 1]`` float: each node's path log-likelihood under that acceptance's distribution (greedy: zeros)."""
     parent = torch.tensor(tree.parent[1:])
+    loglik = torch.zeros(len(tree.parent))
     if typical is None:
         ok = tokens[1:] == logits[parent].argmax(-1)
     else:
         p = (logits[parent].float() / typical.temperature).softmax(-1)
-        entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+        entropy = -(p * (p + 1e-5).log()).sum(-1)
         threshold = torch.minimum(torch.full_like(entropy, typical.epsilon), typical.delta * (-entropy).exp())
-        ok = p.gather(-1, tokens[1:, None])[:, 0] > threshold
+        chosen = p.gather(-1, tokens[1:, None])[:, 0]
+        ok = chosen > threshold
+        loglik[1:] = chosen.log()
     accepted = torch.ones(len(tree.parent), dtype=torch.bool)
-    for i in range(1, len(tree.parent)):  # a node counts only when its whole path does
+    for i in range(1, len(tree.parent)):  # a node counts only when its whole path does (parents come first)
         accepted[i] = ok[i - 1] and accepted[tree.parent[i]]
-    return accepted
+        loglik[i] += loglik[tree.parent[i]]
+    return accepted, loglik
+
+
+def _best(tree: Tree, accepted: torch.Tensor, loglik: torch.Tensor) -> int:
+    """The node decoding continues from: the deepest accepted one; among equally deep ones the likeliest path
+    (Medusa's ``evaluate_posterior``), then the first."""
+    return max(range(len(tree.parent)), key=lambda i: (tree.depth[i] * bool(accepted[i]), float(loglik[i]), -i))
 
 
 @torch.inference_mode()
@@ -158,7 +172,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     cache = DynamicCache(config=target.config)
     hidden = target_step(target, prompt_ids, cache)[0][-1]
     x0 = int(lm_head(hidden).argmax())
-    result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth))
+    result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth), prefill_seconds=time.perf_counter() - start)
     result.tokens, stop = cut_at_stop([x0], max_new_tokens, eos_id)
     while not stop:
         t = time.perf_counter()
@@ -173,8 +187,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
                                    position_ids=(past + depth)[None], cache=cache, use_cache=True).last_hidden_state[0]
         logits = lm_head(states).cpu()
         result.target_forwards += 1
-        accepted = _accepted(tree, tokens, logits, typical)
-        best = max(range(len(tokens)), key=lambda i: (tree.depth[i] * bool(accepted[i]), -i))
+        best = _best(tree, *_accepted(tree, tokens, logits, typical))
         path = []
         node = best
         while node > 0:

@@ -1,7 +1,9 @@
-"""Shared fixtures: a tiny random Llama target built once per session in a temporary cache."""
+"""Shared fixtures: a tiny random Llama target built once per session in a temporary cache, and a fresh
+accelerate state for every test."""
 
 import pytest
 import torch
+from accelerate.state import AcceleratorState
 
 from draftheads.models.target import TINY, TargetSpec, load_target
 
@@ -17,3 +19,12 @@ def tiny(cache_dir):
     torch.manual_seed(0)
     model, tokenizer, _ = load_target(TargetSpec(name_or_path=TINY), cache_dir)
     return model, tokenizer
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Every in-process job makes its Accelerator as a new process would: accelerate keeps one state per
+    process and refuses another mixed precision, so a test that trains in float32 would otherwise break every
+    later bf16 job of the session (order-dependent failures)."""
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

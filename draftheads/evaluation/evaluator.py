@@ -2,10 +2,16 @@
 measured side by side in one run, and the report (``report.json``, a terminal table, a PNG plot).
 
 Definitions (as in the Medusa/EAGLE papers and vLLM/SGLang metrics):
-- ``acceptance_length`` (tau): tokens emitted per verification step, the bonus token included;
+- ``acceptance_length`` (tau): 1 + drafts accepted per verification step, counted by the verification itself at
+  every step, before the token budget or a stop token cuts what is emitted (vLLM's mean acceptance length
+  1 + accepted / drafts, EAGLE's accepted + 1 per step); it equals 1 + the sum of the cumulative acceptances;
+- ``tokens_per_step``: tokens emitted per verification step after those cuts (what the speedup follows; z-lab's
+  reference ``dflash`` package reports this as its acceptance length);
 - ``acceptance_rate_per_position[i]``: P(draft i accepted | drafts < i accepted) (EAGLE's n-alpha);
-- ``cumulative_acceptance_per_position[i]``: P(drafts 0..i all accepted), unconditional;
-- ``speedup``: speculative tokens/s over plain greedy tokens/s, same prompts, same process, interleaved.
+- ``cumulative_acceptance_per_position[i]``: P(drafts 0..i all accepted), unconditional (vLLM's per-position
+  acceptance: accepted at position i / drafts);
+- ``speedup``: speculative tokens/s over plain decoding's tokens/s, same prompts, same process, interleaved,
+  every method warmed up first; tokens/s include the prefill, ``decode_ms_per_token`` leaves it out.
 """
 
 from __future__ import annotations
@@ -22,6 +28,12 @@ from tqdm.auto import tqdm
 from draftheads.data.regenerate import prompt_ids
 from draftheads.data.conversations import first_user_prompts
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
+
+NOTES = ("acceptance_length (tau) = 1 + drafts accepted per verification step, counted before the token budget and "
+         "stop tokens cut the output (as vLLM and EAGLE count; = 1 + sum of cumulative_acceptance_per_position); "
+         "tokens_per_step counts after those cuts; alpha is conditional on earlier positions; tokens_per_second and "
+         "speedup include the prefill, decode_ms_per_token does not; every method is warmed up before timing")
+""":data:`NOTES` go into every report beside the numbers they define."""
 
 
 def eval_prompts(set_cfg) -> list:
@@ -46,6 +58,8 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     generator = torch.Generator().manual_seed(seed)
     warm = torch.tensor(prompt_ids(tokenizer, "Hello"), device=device)
     plain_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
+    for decode in peers.values():  # every method pays its own one-time costs before timing
+        decode(warm, torch.Generator().manual_seed(seed))
     plain, spec, mismatches = [], [], []
     others: dict[str, list[DecodeResult]] = {name: [] for name in peers}
     for p in tqdm(prompts, desc=desc, unit="prompt"):
@@ -63,7 +77,8 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
         for m in [metrics, *metrics.get("peers", {}).values()]:
             m["greedy_match"] = None
     metrics["method"] = drafter.name
-    metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                           "proposal": sampling.proposal}
     return metrics
 
 
@@ -76,19 +91,42 @@ def _acceptance_rates(results: list[DecodeResult], gamma: int) -> tuple[list[flo
     return [p / a if a else 0.0 for p, a in zip(passed, attempted)], [p / steps for p in passed]
 
 
+def acceptance(results: list[DecodeResult], gamma: int) -> dict:
+    """tau, tokens per step and per-position acceptance of a method that reports its verification steps (see
+    the module's definitions); a method that does not (transformers' prompt lookup) gets tokens per target
+    forward for both, every forward of its ``generate`` verifying drafts, the prefill's included."""
+    if not any(r.accepted_per_step for r in results):
+        per_forward = sum(len(r.tokens) for r in results) / max(sum(r.target_forwards for r in results), 1)
+        return {"acceptance_length": per_forward, "tokens_per_step": per_forward}
+    accepted = [n for r in results for n in r.accepted_per_step]
+    alpha, cumulative = _acceptance_rates(results, gamma)
+    return {"acceptance_length": 1 + sum(accepted) / len(accepted),
+            "tokens_per_step": sum(n for r in results for n in r.emitted_per_step) / len(accepted),
+            "acceptance_rate_per_position": alpha, "cumulative_acceptance_per_position": cumulative}
+
+
+def _tokens_per_second(results: list[DecodeResult]) -> float:
+    return sum(len(r.tokens) for r in results) / sum(r.seconds for r in results)
+
+
+def _decode_ms_per_token(results: list[DecodeResult]) -> float | None:
+    """Milliseconds per token after the first (the prefill's), None when the method does not time its prefill."""
+    if any(r.prefill_seconds is None for r in results):
+        return None
+    decoded = sum(len(r.tokens) - 1 for r in results)
+    return 1000 * sum(r.seconds - r.prefill_seconds for r in results) / max(decoded, 1)
+
+
 def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult]) -> dict:
-    """tau (tokens per verification forward, after the prefill's token), tokens/s and speedup over the same
-    baseline, greedy agreement, and per-position acceptance (over the peer's own gamma) and draft cost when
-    the method reports steps."""
-    verify_forwards = sum(r.target_forwards - 1 for r in peer)
-    tps = sum(len(r.tokens) for r in peer) / sum(r.seconds for r in peer)
-    summary = {"acceptance_length": sum(len(r.tokens) - 1 for r in peer) / max(verify_forwards, 1),
-               "tokens_per_second": tps,
-               "speedup": tps / (sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)),
+    """A peer's acceptance (over its own gamma), tokens/s and speedup over the same baseline, decode time per
+    token, greedy agreement, and draft cost when the method reports steps."""
+    tps = _tokens_per_second(peer)
+    summary = {**acceptance(peer, max(r.gamma for r in peer)),
+               "tokens_per_second": tps, "speedup": tps / _tokens_per_second(plain),
+               "decode_ms_per_token": _decode_ms_per_token(peer),
                "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
                "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
     if any(r.accepted_per_step for r in peer):
-        summary["acceptance_rate_per_position"], _ = _acceptance_rates(peer, max(r.gamma for r in peer))
         summary |= _draft_cost(peer)
     return summary
 
@@ -102,28 +140,27 @@ def _draft_cost(results: list[DecodeResult]) -> dict:
 
 
 def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: float) -> dict:
+    """Where two greedy outputs first differ, and whether the target's top-2 logits were tied there: closer than
+    ``tie_tolerance`` or than the logits' own resolution in their dtype (one bf16 step is 0.125 at 20)."""
     i = next((j for j, (a, b) in enumerate(zip(plain.tokens, spec.tokens)) if a != b),
              min(len(plain.tokens), len(spec.tokens)))
     gap = plain.top2_gaps[i] if i < len(plain.top2_gaps) else float("inf")
+    resolution = plain.logit_steps[i] if i < len(plain.logit_steps) else 0.0
     return {"source": prompt.source, "row": prompt.row, "first_difference": i, "top2_logit_gap": gap,
-            "tie": gap < tie_tolerance}
+            "logit_resolution": resolution, "tie": gap <= max(tie_tolerance, resolution)}
 
 
 def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, max_new_tokens: int,
               mismatches: list[dict]) -> dict:
     """Aggregate per-prompt results into the set's report entry."""
-    steps = max(sum(len(r.accepted_per_step) for r in spec), 1)
-    alpha, cumulative = _acceptance_rates(spec, gamma)
-    plain_tokens, spec_tokens = sum(len(r.tokens) for r in plain), sum(len(r.tokens) for r in spec)
-    plain_s, spec_s = sum(r.seconds for r in plain), sum(r.seconds for r in spec)
+    spec_tokens = sum(len(r.tokens) for r in spec)
     return {
-        "acceptance_length": sum(n for r in spec for n in r.emitted_per_step) / steps,
-        "acceptance_rate_per_position": alpha,
-        "cumulative_acceptance_per_position": cumulative,
-        "tokens_per_second": {"speculative": spec_tokens / spec_s, "baseline": plain_tokens / plain_s},
-        "speedup": (spec_tokens / spec_s) / (plain_tokens / plain_s),
+        **acceptance(spec, gamma),
+        "tokens_per_second": {"speculative": _tokens_per_second(spec), "baseline": _tokens_per_second(plain)},
+        "speedup": _tokens_per_second(spec) / _tokens_per_second(plain),
+        "decode_ms_per_token": {"speculative": _decode_ms_per_token(spec), "baseline": _decode_ms_per_token(plain)},
         "target_forwards_per_token": {"speculative": sum(r.target_forwards for r in spec) / spec_tokens,
-                                      "baseline": sum(r.target_forwards for r in plain) / plain_tokens},
+                                      "baseline": sum(r.target_forwards for r in plain) / sum(len(r.tokens) for r in plain)},
         **_draft_cost(spec),
         "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, spec)) / len(plain),
         "greedy_ties": sum(m["tie"] for m in mismatches),

@@ -27,7 +27,7 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
     ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
     measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``), kept to ``eval.peers``
     when that is set. Raises ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
-    samplings = [Sampling(t, eval_cfg.top_k, eval_cfg.top_p) for t in eval_cfg.temperatures]
+    samplings = eval_cfg.samplings()
     offered = [peers_at(sampling) for sampling in samplings]
     if eval_cfg.peers is not None:
         unknown = set(eval_cfg.peers) - set().union(*offered)

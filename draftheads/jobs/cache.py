@@ -22,8 +22,9 @@ def cache_states(cfg: DictConfig) -> Path:
         cfg.tracker.name = "none"  # a cache build is not a training run
     job = open_job(cfg)
     conf, accelerator, target = job.conf, job.accelerator, job.target
-    layer_ids = drafters.get(conf.drafter).state_layers(conf, target)
-    train_rows, val_rows, _ = job_rows(job, attach=False)
+    recipe = drafters.get(conf.drafter)
+    layer_ids = recipe.state_layers(conf, target)
+    train_rows, val_rows, _ = job_rows(job, attach=False, unusable=recipe.unusable)  # the rows training reads
     rows = train_rows + val_rows
     spec = state_cache_spec(job, rows, layer_ids)
     folder = state_cache_dir(conf)

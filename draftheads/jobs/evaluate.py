@@ -7,7 +7,7 @@ from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from draftheads.evaluation.evaluator import format_table, hardware, write_report
+from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.jobs.cli import parse_args
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run
@@ -30,6 +30,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     report_path = Path(run_dir) / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     report["eval"] = {**report.get("eval", {}), **sets}
+    report["notes"] = NOTES
     report.setdefault("evaluations", []).append({
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source, "overrides": list(overrides),
         "sets": sorted(sets), "peer_runs": notes, "eval": json.loads(json.dumps(asdict(conf.eval), default=str)),

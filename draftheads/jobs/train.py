@@ -12,34 +12,52 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
 
 from omegaconf import DictConfig
 
 from draftheads import drafters
-from draftheads.evaluation.evaluator import format_table, hardware, log_eval, write_report
+from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs
 from draftheads.training.job import Job, close_job, job_rows, open_job
 from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.runtime import distributed
-
-NOTES = "acceptance_length counts the bonus token; alpha is conditional on earlier positions"
 
 
 def train(name: str, cfg: DictConfig) -> dict:
     """The whole job of drafter ``name`` for a composed config; returns the report (main process) or {}."""
     recipe = drafters.get(name)
     job = open_job(cfg, recipe)
+    previous = _report(job.out)
+    if job.conf.resume and set(_steps(job.conf)) <= set(previous.get("finished", ())):
+        print(f"{job.out} finished already ({', '.join(previous['finished'])}): nothing to resume", flush=True)
+        return close_job(job, previous if job.accelerator.is_main_process else {})
+    if job.accelerator.is_main_process and not job.conf.resume:  # an old report must not look like this run's
+        write_report({"drafter": recipe.name, "finished": [],
+                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
     peers, peer_notes = [], []
     if job.accelerator.is_main_process and job.conf.eval.enabled:
         peers, peer_notes = load_peer_runs(job.conf.eval.peer_runs, job.identity, job.target)
     train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
-                                                 attach=recipe.attach_states(job.conf))
+                                                 attach=recipe.attach_states(job.conf), unusable=recipe.unusable)
     trained = recipe.train(job, train_rows)
     report = {}
     if job.accelerator.is_main_process:
         report = finish_run(job, recipe, trained, val_rows, {"data": data_report.as_dict(),
                                                              "train_curves": trained.curves}, peers, peer_notes)
     return close_job(job, report)
+
+
+def _steps(conf) -> list[str]:
+    """The steps a run of ``conf`` finishes, in order (``report["finished"]`` lists those done)."""
+    return ["training", "validation", "save", *(["export"] if conf.export else []),
+            *(["evaluation"] if conf.eval.enabled else [])]
+
+
+def _report(out: Path) -> dict:
+    path = out / "report.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict,

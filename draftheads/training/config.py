@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from draftheads.choice import Choice
-from draftheads.data.regenerate import GenerationSettings
+from draftheads.data.regenerate import GenerationSettings, Reasoning
 from draftheads.data.sources import PromptSource, Source
+from draftheads.models.speculative import Proposal, Sampling
 from draftheads.models.target import Dtype, TargetSpec
 
 
@@ -134,6 +135,10 @@ class DataConfig(PromptSource):
     """Rows per cache shard (the unit a killed caching run resumes from)."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     server: ServerConfig = field(default_factory=ServerConfig)
+    reasoning: Reasoning = Reasoning.auto
+    """A reasoning model's reasoning text that ``data.server`` returns apart from the answer: auto (kept where
+    the chat template renders it: reasoning_content when it reads that, inline <think> blocks when it parses
+    them, else dropped), inline, field (reasoning_content), drop."""
     """Regenerate through a served model instead of the in-process target (same answers, real scale)."""
 
 
@@ -156,13 +161,19 @@ class EvalConfig:
     sets: list[EvalSetConfig] = field(default_factory=lambda: [
         EvalSetConfig(name="chitchat", source="chitchat"), EvalSetConfig(name="humaneval", source="humaneval")])
     tie_tolerance: float = 1e-4
-    """A greedy mismatch whose top-2 target logits differ by less than this is a floating-point tie."""
+    """A greedy mismatch whose top-2 target logits differ by less than this, or than the logits' resolution in
+    their dtype (finfo.eps * |top-1 logit|: 0.125 for a bf16 logit of 20), is a floating-point tie."""
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     """Each is a full evaluation. 0: greedy verification (output must equal plain greedy). > 0: lossless
     speculative sampling, target and draft processed with this temperature, top_k and top_p; the tree then
     uses typical acceptance at that temperature. ``[0, 0.7]`` puts both in one report."""
     top_k: int = 0
     top_p: float = 1.0
+    proposal: Proposal = Proposal.argmax
+    """How chain drafters propose at temperature > 0 (both lossless): argmax (q's argmax, verified with q one-hot:
+    accepted with probability p(d), as vLLM's Medusa, EAGLE and DFlash proposers and SGLang propose: what the
+    export does when served) or sample (drafts drawn from q, accepted with min(1, p/q): Leviathan et al.,
+    z-lab's reference dflash package)."""
     seed: int = 0
     """Seed of the sampling generator (baseline and speculative draw from it in turn)."""
     tree: bool = True
@@ -185,6 +196,14 @@ class EvalConfig:
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
     at every temperature; 0 skips it."""
+
+    def samplings(self) -> list[Sampling]:
+        """One :class:`~draftheads.models.speculative.Sampling` per temperature. Raises ``ValueError`` for a
+        negative temperature or top_k, or top_p outside (0, 1]."""
+        return [Sampling(t, self.top_k, self.top_p, self.proposal) for t in self.temperatures]
+
+    def __post_init__(self):
+        self.samplings()  # invalid sampling settings fail when the config is made, not after training
 
 
 @dataclass

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from accelerate import Accelerator
 from accelerate.utils import set_seed
@@ -90,17 +91,28 @@ def check_writable(out: Path) -> None:
         raise OSError(e.errno, f"output_dir={out} is not a writable directory: {e}") from e
 
 
-def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
-             attach: bool = True) -> tuple[list[dict], list[dict], DataReport]:
+def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = True,
+             unusable: Callable[[dict], str | None] | None = None) -> tuple[list[dict], list[dict], DataReport]:
     """Training and validation rows answered by the target (cached; the ranks share the regeneration), with
-    ``attach`` each with its cached target states: ``hidden_states`` (last layer) or, with ``layer_ids``, ``target_features``. Every process attaches
-    states to its own training share; the main process also to the validation rows."""
+    ``attach`` each with its cached target states: ``hidden_states`` (last layer) or, with ``layer_ids``,
+    ``target_features``. Every process attaches states to its own training share; the main process also to
+    the validation rows. A row ``unusable`` names a reason for (the drafter cannot train on it) is skipped and
+    counted in the data report.
+
+    Raises ``ValueError`` before any target state is computed when no training or no validation row is left.
+    """
     accelerator, conf = job.accelerator, job.conf
     # every rank reads the data and answers its share of what is not regenerated yet
     train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
                                                        conf.cache_dir, accelerator.is_main_process,
                                                        accelerator.process_index, accelerator.num_processes,
                                                        accelerator.wait_for_everyone)
+    if unusable is not None:
+        train_rows, val_rows = _usable(train_rows, unusable, report), _usable(val_rows, unusable, report)
+    if not train_rows or not val_rows:
+        raise ValueError(f"no {'training' if not train_rows else 'validation'} row left after skipping bad ones "
+                         f"({report.describe()}; first errors: {report.examples}): add rows "
+                         f"(data.num_train_prompts, data.num_val_prompts) or fix the data")
     report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed)
     print0(accelerator, f"data: {report.describe()}")
     for reason, example in report.examples.items():
@@ -123,6 +135,19 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None,
     if accelerator.is_main_process:
         attach_hidden_states(job.target, val_rows, bs, pad, False, layer_ids=layer_ids)
     return train_rows, val_rows, report
+
+
+def _usable(rows: list[dict], unusable: Callable[[dict], str | None], report: DataReport) -> list[dict]:
+    """``rows`` without those ``unusable`` gives a reason for, each counted as ``unusable_row``."""
+    kept = []
+    for row in rows:
+        why = unusable(row)
+        if why is None:
+            kept.append(row)
+        else:
+            report.skip("unusable_row", f"{row['source']} row {row['row']}: {why}")
+            report.rows_out -= 1
+    return kept
 
 
 def state_cache_dir(conf: RunConfig) -> Path:

@@ -54,6 +54,9 @@ class Recipe(Protocol):
         """Target layers whose outputs training reads (layer id i = output of decoder layer i); None: the last
         hidden state."""
 
+    def unusable(self, row: dict) -> str | None:
+        """Why this drafter cannot train on ``row`` (it is then skipped and counted before training), or None."""
+
     def attach_states(self, conf) -> bool:
         """Whether rows carry those states before training (False: the strategy runs the target per batch)."""
 

@@ -67,7 +67,7 @@ class ModuleStrategy:
 @dataclass
 class TrainState:
     """Saved with every checkpoint: micro-batches consumed, optimizer steps taken, the LR scheduler.
-    ``history`` (not saved) holds this process's logged metrics since the stage (re)started."""
+    ``history`` holds this process's logged metrics of the stage (saved too: a resumed stage keeps its curve)."""
     micro: int = 0
     step: int = 0
     scheduler: object = None
@@ -77,11 +77,12 @@ class TrainState:
 
     def state_dict(self) -> dict:
         return {"micro": self.micro, "step": self.step, "scheduler": self.scheduler.state_dict(),
-                "skipped_nonfinite": self.skipped_nonfinite}
+                "skipped_nonfinite": self.skipped_nonfinite, "history": self.history}
 
     def load_state_dict(self, state: dict) -> None:
         self.micro, self.step = state["micro"], state["step"]
         self.skipped_nonfinite = state.get("skipped_nonfinite", 0)
+        self.history = list(state.get("history", []))
         self.scheduler.load_state_dict(state["scheduler"])
 
 
@@ -206,6 +207,9 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         save_checkpoint(accelerator, output_dir, {**meta, "stage": strategy.name, "step": state.step, "done": True},
                         trainer.keep_last)
     bar.close()
+    if state.step == 0:
+        raise FloatingPointError(f"[{strategy.name}] all {state.micro} micro-batches had a non-finite loss and were "
+                                 f"skipped: nothing was trained (lower trainer.lr, or check the data)")
     if twin is not None:  # rank 0's evaluation and the next stage need plain modules: gather the shards
         twin.load_state_dict(full_state_dict(accelerator, module))
         strategy.adopt(twin)

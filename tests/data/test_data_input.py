@@ -42,10 +42,13 @@ BAD = {  # reason -> the line that must be skipped for it
     "no_assistant_turn": json.dumps({"messages": [{"role": "user", "content": "nobody answers"}]}).encode(),
     "too_long": json.dumps({"messages": [{"role": "user", "content": "long " * 200},
                                          {"role": "assistant", "content": "ok"}]}).encode(),
+    "assistant_first": json.dumps({"messages": [{"role": "assistant", "content": "Welcome!"},
+                                                {"role": "user", "content": "Thanks."},
+                                                {"role": "assistant", "content": "Anytime."}]}).encode(),
 }
 EXPECTED_FIELD = {"invalid_json": "<line>", "invalid_utf8": "<line>", "missing_role": "messages[0].role",
                   "unknown_role": "messages[0].role", "non_string_content": "messages[0].content",
-                  "empty_conversation": "messages"}
+                  "empty_conversation": "messages", "assistant_first": "messages"}
 
 
 def write_jsonl(path: Path, lines: list[bytes]) -> Path:
@@ -88,16 +91,30 @@ def test_lenient_mode_skips_and_counts_every_bad_row_and_loses_no_good_one(tiny,
         assert f"field {field!r}" in report.examples[reason]
     assert str(mixed_file) in report.examples["unknown_role"] and ":5:" in report.examples["invalid_json"]
     described = report.describe()
-    assert "13 rows in -> 5 out" in described and "unknown_role 1" in described
+    assert "14 rows in -> 5 out" in described and "unknown_role 1" in described
 
 
 @pytest.mark.parametrize("reason", ["invalid_json", "invalid_utf8", "unknown_role", "non_string_content",
-                                    "empty_conversation", "missing_role"])
+                                    "empty_conversation", "missing_role", "assistant_first"])
 def test_strict_mode_fails_on_the_first_bad_row_naming_file_line_and_field(tmp_path, reason):
     path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps(GOOD[0]).encode(), BAD[reason]])
     with pytest.raises(BadRow) as err:
         load_chats(PromptSource("jsonl", str(path)), "train", 10, strict=True)
     assert str(err.value).startswith(f"{path}:2: field {EXPECTED_FIELD[reason]!r}") and err.value.reason == reason
+
+
+@pytest.mark.parametrize("row, field", [
+    ({"messages": [{"role": "user", "content": "an emoji cut in half: \ud83d"}, {"role": "assistant", "content": "ok"}]},
+     "messages[0].content"),
+    ({"prompt": "half an emoji \ud83d here"}, "prompt"),
+])
+def test_text_with_a_lone_surrogate_is_skipped_naming_the_field(tiny, tmp_path, row, field):
+    """JSON can hold half a UTF-16 pair ("\\ud83d"); no tokenizer encodes it: a counted skip, not a crash."""
+    model, tokenizer = tiny
+    path = write_jsonl(tmp_path / "surrogate.jsonl", [json.dumps(row).encode()] + [json.dumps(GOOD[0]).encode()] * 2)
+    train, val, report = self_distilled_rows(data_cfg(path), model, tokenizer, {}, "/unused", False)
+    assert report.skipped == {"invalid_utf8": 1} and len(train) + len(val) == 2
+    assert f"field {field!r}" in report.examples["invalid_utf8"] and "lone surrogate" in report.examples["invalid_utf8"]
 
 
 def test_over_long_rows_are_truncated_by_default(tiny, tmp_path):
@@ -132,7 +149,7 @@ def test_mixtures_draw_rows_in_proportion_to_their_weights(tiny, tmp_path):
 
 class FakeServer(BaseHTTPRequestHandler):
     """An OpenAI-compatible chat-completions endpoint: answers "echo: <last user turn>"; "flaky" fails with 500
-    once, "broken" always (while ``broken`` is set)."""
+    once, "broken" always (while ``broken`` is set); a turn starting with "think" also gets reasoning_content."""
     seen: dict[str, int] = {}
     broken = True
 
@@ -144,9 +161,12 @@ class FakeServer(BaseHTTPRequestHandler):
             self.send_response(500)
             self.end_headers()
             return
+        message = {"role": "assistant", "content": f"echo: {last}"}
+        if last.startswith("think"):  # a reasoning model: its reasoning apart from the answer (vLLM, SGLang)
+            message["reasoning_content"] = f"pondering {last}"
         reply = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
                  "choices": [{"index": 0, "finish_reason": "stop" if len(last) < 40 else "length",
-                              "message": {"role": "assistant", "content": f"echo: {last}"}}],
+                              "message": message}],
                  "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
         data = json.dumps(reply).encode()
         self.send_response(200)
@@ -182,6 +202,30 @@ def test_server_backend_answers_turn_by_turn_retries_and_reports_failures(server
     assert results[2].error.startswith("turn 0: InternalServerError") and FakeServer.seen["broken"] == 2
     long_prompt = results[3].messages[0]["content"]
     assert results[3].unfinished == [1] and results[3].messages[1]["content"] == f"echo: {long_prompt}"
+
+
+@pytest.mark.parametrize("mode, template, turn", [
+    ("inline", None, {"content": "<think>\npondering think twice\n</think>\n\necho: think twice"}),
+    ("field", None, {"content": "echo: think twice", "reasoning_content": "pondering think twice"}),
+    ("drop", None, {"content": "echo: think twice"}),
+    ("auto", "{% if '</think>' in message.content %}{% endif %}",
+     {"content": "<think>\npondering think twice\n</think>\n\necho: think twice"}),
+    ("auto", "{{ message.reasoning_content }}", {"content": "echo: think twice",
+                                                   "reasoning_content": "pondering think twice"}),
+])
+def test_a_reasoning_models_reasoning_is_kept_where_the_template_renders_it(server, mode, template, turn):
+    """Servers return a reasoning model's reasoning apart from the answer; it is trained and carried into the next
+    turn's history as the template renders it (data.reasoning), not dropped."""
+    from draftheads.data.conversations import Chat
+    from draftheads.data.regenerate import Reasoning, resolve_reasoning
+    reasoning = resolve_reasoning(Reasoning(mode), template)
+    backend = OpenAIBackend(server, "m", GenerationSettings(), max_retries=0, reasoning=reasoning)
+    chat = Chat("test", 0, messages=({"role": "user", "content": "think twice"}, {"role": "assistant", "content": "x"},
+                                     {"role": "user", "content": "next"}))
+    (result,) = answer_turns(backend, [chat])
+    assert result.messages[1] == {"role": "assistant", **turn}  # trained, and the history of the next turn
+    assert result.messages[3] == {"role": "assistant", "content": "echo: next"}
+    assert backend.name == f"openai+reasoning-{reasoning}"  # another mode never reads this mode's cache
 
 
 def test_regenerate_cli_accounts_for_every_row_and_resumes(server, tmp_path, cache_dir):

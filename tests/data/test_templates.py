@@ -65,6 +65,13 @@ CHATML_MARKED = (  # ChatML with transformers' generation markers around the ass
     "{% else %}{{ message['content'] + '<|im_end|>\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
+CHATML_MARKED_NEWLINE = CHATML_MARKED.replace(  # markers that also enclose the newline after <|im_end|>
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}",
+    "{% generation %}{{ message['content'] + '<|im_end|>\n' }}{% endgeneration %}")
+CHATML_MARKED_TEXT = CHATML_MARKED.replace(  # markers around the text alone
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}",
+    "{% generation %}{{ message['content'] }}{% endgeneration %}{{ '<|im_end|>\n' }}")
+
 SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>", "[INST]",
             "[/INST]", "<bos>", "<start_of_turn>", "<end_of_turn>"]
 
@@ -109,6 +116,10 @@ CASES = {  # template, bos, eos, system policy's effect, expected spans
     "gemma": (GEMMA, "<bos>", "<end_of_turn>", ["Paris.<end_of_turn>", "Rome, since 1871.<end_of_turn>"]),
     "chatml_generation_markers": (CHATML_MARKED, "<|im_start|>", "<|im_end|>",
                                   ["Paris. <|im_end|>", "Rome, since 1871.<|im_end|>"]),
+    "markers_around_the_newline_too": (CHATML_MARKED_NEWLINE, "<|im_start|>", "<|im_end|>",
+                                       ["Paris. <|im_end|>", "Rome, since 1871.<|im_end|>"]),
+    "markers_around_the_text_only": (CHATML_MARKED_TEXT, "<|im_start|>", "<|im_end|>",
+                                     ["Paris. <|im_end|>", "Rome, since 1871.<|im_end|>"]),
 }
 
 
@@ -126,6 +137,13 @@ def test_trainable_spans_are_exactly_the_assistant_turns(base_tokenizer, name):
     assert trained_spans(tok, ids, mask) == expected[-1:]
     ids, mask = chat_tokens(tok, messages, unfinished=frozenset({len(messages) - 1}))  # cut by the token budget
     assert trained_spans(tok, ids, mask) == expected[:-1] + [expected[-1].removesuffix(eos)]
+
+
+@pytest.mark.parametrize("template", [CHATML_MARKED, CHATML_MARKED_NEWLINE, CHATML_MARKED_TEXT, SMOLLM2])
+def test_an_empty_answer_trains_its_end_of_turn_token_alone(base_tokenizer, template):
+    tok = with_template(base_tokenizer, template, "<|im_start|>", "<|im_end|>")
+    ids, mask = chat_tokens(tok, [CHAT[1], {"role": "assistant", "content": ""}])
+    assert trained_spans(tok, ids, mask) == ["<|im_end|>"]
 
 
 def test_qwen3_think_blocks_train_where_the_template_keeps_them(base_tokenizer):

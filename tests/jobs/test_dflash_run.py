@@ -157,3 +157,20 @@ def test_a_run_that_regenerates_trains_like_one_that_reads_the_cache(tmp_path):
     cached = run_dflash(cfg("dflash", tmp_path / "cached", cache, *args))
     curve = [x["dflash/loss"] for x in fresh["train_curves"]["dflash"]]
     assert curve == [x["dflash/loss"] for x in cached["train_curves"]["dflash"]] and curve
+
+
+def test_an_explicit_evaluation_evaluates_a_run_trained_without_one(medusa_run):
+    """train/evaluate.py on a run made with eval.enabled=false measures it (not an empty table)."""
+    report = evaluate_main([str(medusa_run), "eval.max_new_tokens=8",
+                            "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}]"])
+    assert report["eval"]["chitchat"]["greedy_match"] == 1.0 and report["eval"]["chitchat"]["new_tokens"] > 0
+
+
+def test_float32_runs_are_evaluated_in_bfloat16_on_request(medusa_run, dflash_run):
+    """model.dtype=bfloat16 on a float32 run: the drafter is cast with the target (it kept the file's dtype)."""
+    for run in (medusa_run, dflash_run[0]):
+        report = evaluate_main([str(run), "model.dtype=bfloat16", "eval.max_new_tokens=8", "eval.peers=[]",
+                                "eval.sets=[{name: bf16, source: chitchat, num_prompts: 2}]"])
+        m = report["eval"]["bf16"]
+        assert m["new_tokens"] > 0 and report["evaluations"][-1]["dtype"] == "bfloat16"
+        assert m["greedy_match"] == 1.0 or all(x["tie"] for x in m["mismatches"]), m["mismatches"]

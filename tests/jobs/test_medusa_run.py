@@ -76,10 +76,41 @@ def test_resumed_run_ends_with_the_same_weights(smoke_run, tmp_path, cache_dir):
     out, _ = smoke_run
     cut = cut_back(out, "stage1-step000005", tmp_path / "cut")
     report = run(smoke_cfg(cut, cache_dir, "resume=true", "trainer.keep_last=100"))
-    assert report["train_curves"]["stage1"][0]["step"] > 5
+    for stage in ("stage1", "stage2"):  # the same curves, the part before the cut included; the first point
+        ours, theirs = report["train_curves"][stage], smoke_run[1]["train_curves"][stage]  # after the cut
+        assert [x["step"] for x in ours] == [x["step"] for x in theirs]                  # averages fewer batches
+        assert [x[f"{stage}/loss"] for x in ours if x["step"] != 6] == \
+            [x[f"{stage}/loss"] for x in theirs if x["step"] != 6]
     for rel in ("medusa_heads/medusa_heads.safetensors", "export/target/model.safetensors"):
         a, b = load_file(str(out / rel)), load_file(str(cut / rel))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
+
+
+def test_a_resumed_run_that_was_cut_in_stage_2_keeps_stage_1s_curve(smoke_run, tmp_path, cache_dir):
+    out, _ = smoke_run
+    stage2 = sorted(d.name for d in (out / "checkpoints").iterdir() if d.name.startswith("stage2"))[0]
+    report = run(smoke_cfg(cut_back(out, stage2, tmp_path / "cut2"), cache_dir, "resume=true",
+                           "trainer.keep_last=100"))
+    assert report["train_curves"]["stage1"] == smoke_run[1]["train_curves"]["stage1"]
+
+
+def test_resuming_a_finished_run_does_nothing(smoke_run, cache_dir):
+    out, report = smoke_run
+    again = run(smoke_cfg(out, cache_dir, "resume=true", "trainer.keep_last=100"))
+    assert again == json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
+
+
+def test_a_failed_rerun_leaves_no_old_report_looking_current(smoke_run, tmp_path, cache_dir):
+    """The old report is replaced when the new run starts; this one fails before training
+    (data.num_val_prompts=0), and the report says nothing finished."""
+    out, _ = smoke_run
+    rerun = tmp_path / "rerun"
+    rerun.mkdir()
+    shutil.copy(out / "report.json", rerun / "report.json")
+    with pytest.raises(ValueError, match="num_val_prompts"):
+        run(smoke_cfg(rerun, cache_dir, "data.num_val_prompts=0"))
+    assert json.loads((rerun / "report.json").read_text())["finished"] == []
+    assert not (rerun / "checkpoints").exists()
 
 
 def test_checkpoint_of_another_model_is_refused(smoke_run, tmp_path, cache_dir):

@@ -86,3 +86,38 @@ def test_default_tree_follows_the_measured_accuracies():
     assert choices == [(0,), (0, 0), (1,), (0, 0, 0), (0, 1)]
     tree = Tree.from_choices(choices, 3)
     assert len(tree.paths) == 5 and max(tree.depth) <= 3
+
+
+def test_typical_acceptance_matches_medusa_and_reads_the_temperature():
+    """FasterDecoding/Medusa's evaluate_posterior: among equally long accepted paths the likeliest wins (not the
+    first); the threshold is min(epsilon, delta * exp(-H)) with H = -sum p log(p + 1e-5) at the temperature."""
+    from draftheads.models.tree import _accepted, _best
+    tree = Tree.from_choices([(0,), (1,)], 1)  # the root and two depth-1 candidates
+    logits = torch.zeros(3, 5)
+    logits[0] = torch.tensor([0.0, 2.0, 2.5, -1.0, -1.0])  # the root's distribution: token 2 likelier than 1
+    tokens = torch.tensor([0, 1, 2])  # candidate rank 0 drafts token 1, rank 1 token 2
+    typical = TypicalAcceptance(epsilon=0.09, delta=0.3, temperature=0.7)
+    accepted, loglik = _accepted(tree, tokens, logits, typical)
+    assert accepted.tolist() == [True, True, True] and loglik[2] > loglik[1]
+    assert _best(tree, accepted, loglik) == 2  # the likelier of the two accepted candidates, not the first
+    p = (logits[0] / 0.7).softmax(-1)
+    entropy = -(p * (p + 1e-5).log()).sum()
+    threshold = min(0.09, 0.3 * float((-entropy).exp()))
+    assert bool(accepted[1]) == bool(p[1] > threshold)
+    # the temperature changes the decision: very hot, token 1 is no longer above the threshold
+    hot, _ = _accepted(tree, tokens, logits, TypicalAcceptance(epsilon=0.5, delta=1.0, temperature=50.0))
+    cold, _ = _accepted(tree, tokens, logits, TypicalAcceptance(epsilon=0.5, delta=1.0, temperature=0.7))
+    assert hot.tolist() != cold.tolist()
+
+
+def test_typical_entropy_is_smoothed_as_medusa_smooths_it():
+    """H = -sum p log(p + 1e-5), not the exact entropy: a candidate placed between the two thresholds is rejected."""
+    from draftheads.models.tree import _accepted
+    logits = torch.zeros(2, 2000)
+    logits[0, 0] = 5.0  # the root's distribution: one likely token and many tiny ones
+    tree, tokens = Tree.from_choices([(0,)], 1), torch.tensor([0, 1])  # the candidate: a tiny-probability token
+    p = logits[0].softmax(-1)
+    smoothed, exact = (p * (p + 1e-5).log()).sum().exp(), (p * p.log()).sum().exp()  # exp(-H) both ways
+    delta = float(p[1] / ((smoothed + exact) / 2))
+    accepted, _ = _accepted(tree, tokens, logits, TypicalAcceptance(epsilon=1.0, delta=delta, temperature=1.0))
+    assert not accepted[1] and bool(p[1] > delta * exact)

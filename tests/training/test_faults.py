@@ -72,6 +72,18 @@ def test_skipping_non_finite_batches_counts_them_and_keeps_the_weights_finite(tm
         toy_fit(tmp_path / "accum", poison=7, nonfinite="skip", grad_accum=2)
 
 
+def test_a_stage_whose_every_batch_is_skipped_is_an_error_not_a_silent_success(tmp_path):
+    class AlwaysNaN(ToyStrategy):
+        def forward_loss(self, module, batch):
+            loss, metrics = super().forward_loss(module, batch)
+            return loss * float("nan"), metrics
+
+    trainer = TrainerConfig(batch_size=4, checkpoint_every=2, log_every=1, nonfinite="skip")
+    with pytest.raises(FloatingPointError, match=r"\[toy\] all 8 micro-batches had a non-finite loss"):
+        fit(Accelerator(cpu=True), AlwaysNaN(None), toy_rows(), trainer, StageConfig(epochs=2), str(tmp_path), 0,
+            {"model": {}})
+
+
 def test_a_full_disk_fails_the_checkpoint_clearly_and_keeps_the_previous_one(tmp_path, monkeypatch):
     writes = []
 

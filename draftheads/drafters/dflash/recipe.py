@@ -30,20 +30,28 @@ class DFlash:
     vllm_weights = EXPORT
 
     def check(self, conf: DFlashRunConfig, target) -> None:
-        """Layer ids inside the target and a block of at least two positions (without building the drafter,
-        so the global RNG is drawn from where it always was)."""
+        """Layer ids inside the target, a block of at least two positions and its loss decay (without building
+        the drafter, so the global RNG is drawn from where it always was)."""
         layers, n = self.state_layers(conf, target), target.config.num_hidden_layers
         bad = [i for i in layers if not 0 <= i < n]
         if bad:
             raise ValueError(f"dflash.target_layer_ids: {bad} are outside 0..{n - 1} (the target's decoder layers)")
         if conf.dflash.block_size < 2:
             raise ValueError(f"dflash.block_size={conf.dflash.block_size} must be >= 2 (the anchor plus drafts)")
+        _decay(conf)  # a block size without a paper decay needs dflash.loss_decay: say so now
 
     def state_layers(self, conf: DFlashRunConfig, target) -> tuple[int, ...]:
         """``dflash.target_layer_ids``, else K spaced from 1 to L-3."""
         d = conf.dflash
         return tuple(d.target_layer_ids or default_target_layer_ids(target.config.num_hidden_layers,
                                                                      d.num_target_features))
+
+    def unusable(self, row: dict) -> str | None:
+        """A block's anchor is a trainable token followed by one: a row without two in a row has no target."""
+        mask = row["loss_mask"]
+        if not bool((mask[:-1] & mask[1:]).any()):
+            return "no two consecutive trainable tokens, so no DFlash block has a target"
+        return None
 
     def attach_states(self, conf: DFlashRunConfig) -> bool:
         return conf.dflash.features == Features.precomputed

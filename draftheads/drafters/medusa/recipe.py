@@ -33,6 +33,9 @@ class Medusa:
     def state_layers(self, conf, target) -> None:
         return None
 
+    def unusable(self, row: dict) -> None:
+        return None  # every trainable token is the base LM head's label, and heads read the states before it
+
     def attach_states(self, conf) -> bool:
         return True
 
@@ -47,16 +50,16 @@ class Medusa:
                             conf.medusa.num_layers, conf.medusa.per_head_lm_head).to(accelerator.device)
         if heads.per_head_lm_head:
             heads.init_lm_heads_from(target.get_output_embeddings())
-        meta = {"model": job.identity, "step_offset": 0}
-        curves = {}
+        meta = {"model": job.identity, "step_offset": 0, "curves": {}}  # every checkpoint carries earlier curves
         if conf.stage1.enabled and resume_stage != "stage2":
             strategy = MedusaStage1(heads, target, conf.medusa.decay)
             state = fit(accelerator, strategy, rows, conf.trainer, conf.stage1, out, pad, meta,
                         resume_from=str(resume[0]) if resume else None)
             heads = strategy.module.heads  # the trained heads (a plain copy after FSDP/DeepSpeed)
-            meta["step_offset"], curves["stage1"] = state.step, state.history
+            meta["step_offset"], meta["curves"] = state.step, {"stage1": state.history}
         elif resume_stage == "stage2":
-            meta["step_offset"] = resume[1]["step_offset"]
+            meta["step_offset"], meta["curves"] = resume[1]["step_offset"], resume[1].get("curves", {})
+        curves = dict(meta["curves"])
         if conf.stage2.enabled:
             s2 = conf.stage2
             strategy = MedusaStage2(heads, target, s2.unfreeze_last_n_layers, conf.medusa.decay, s2.kl_weight,
