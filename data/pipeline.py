@@ -98,7 +98,7 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, or no trainable token left.
     """
     if data_cfg.num_val_prompts < 1:
-        raise ValueError("data.num_val_prompts must be >= 1: held-out rows measure head accuracy and target drift")
+        raise ValueError("data.num_val_prompts must be >= 1: the drafter is validated on held-out rows")
     report = DataReport()
     train, val = split_chats(data_cfg, tokenizer, report)
     chats = train + val

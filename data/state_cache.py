@@ -162,7 +162,8 @@ def read_cache(folder: str | Path, spec: CacheSpec, rows: list[dict], indices: S
     for name, value in asdict(spec).items():
         if cached.get(name) != value:
             raise ValueError(f"{folder}: the cache was made for another {name}: cache {cached.get(name)!r}, this run "
-                             f"{value!r}; rebuild it with train/cache_hidden_states.py")
+                             f"{value!r}; rebuild it with train/cache_hidden_states.py and this job's config "
+                             f"(--config-name <drafter> and the same overrides)")
     key = "hidden_states" if spec.layer_ids is None else "target_features"
     wanted = set(range(len(rows)) if indices is None else indices)
     for shard in manifest["shards"]:

@@ -237,6 +237,16 @@ def model_identity(model: PreTrainedModel, spec: TargetSpec) -> dict:
             "hidden_size": c.hidden_size, "vocab_size": c.vocab_size, "num_hidden_layers": c.num_hidden_layers}
 
 
+def weights_sample(model: PreTrainedModel, count: int = 4096) -> str:
+    """sha256 over every tensor's name, shape, dtype and first ``count`` values: tells two targets of the same
+    architecture and sizes apart (another seed, another fine-tune) in milliseconds, whatever the model's size."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
+        h.update(t.detach().flatten()[:count].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
 

@@ -11,7 +11,7 @@ from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.jobs.cli import parse_args
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run
-from draftheads.models.target import model_identity
+from draftheads.training.job import TARGET_FILE
 
 
 def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None = None) -> dict:
@@ -22,7 +22,8 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     the run's ``eval.enabled`` said. Returns the report."""
     run = open_run(run_dir, overrides, weights)
     conf = replace(run.conf, eval=replace(run.conf.eval, enabled=True))
-    peers, notes = load_peer_runs(conf.eval.peer_runs, model_identity(run.target, conf.model), run.target)
+    record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
+    peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
     sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer, load_eval_sets(conf.eval), peers)
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():
@@ -30,7 +31,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     report_path = Path(run_dir) / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
     report["eval"] = {**report.get("eval", {}), **sets}
-    report["notes"] = NOTES
+    report["notes"], report["peer_runs"] = NOTES, notes
     report.setdefault("evaluations", []).append({
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source, "overrides": list(overrides),
         "sets": sorted(sets), "peer_runs": notes, "eval": json.loads(json.dumps(asdict(conf.eval), default=str)),

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from draftheads import drafters
 from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
 from draftheads.models.speculative import Sampling, speculative_decode
-from draftheads.models.target import load_target
+from draftheads.models.target import load_target, resolve_target_path
 from draftheads.training.job import TARGET_FILE
 from draftheads.training.recipe import Recipe, Trained
 
@@ -54,45 +54,54 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
 
 @dataclass
 class PeerRun:
-    """Another run's drafter, measured beside this run's on the same prompts and target."""
+    """Another run's drafter, measured beside this run's on the same prompts, verified by its own target (the
+    one it is served with: a Medusa run's stage-2 target, say)."""
     folder: Path
     recipe: Recipe
     conf: object
     trained: Trained
+    target: object
 
 
-def load_peer_runs(folders: list[str], identity: dict, target) -> tuple[list[PeerRun], list[str]]:
-    """The runs of ``eval.peer_runs`` that fit: finished, of a registered drafter, made for the target whose
-    identity is ``identity``, their drafter loaded onto ``target``. Returns them and one note per run
-    (``measured`` or why it was skipped: a peer that does not fit is never a failure). Loading draws nothing
-    from the global RNG (training after it stays the same)."""
+def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target) -> tuple[list[PeerRun], list[str]]:
+    """The runs of ``eval.peer_runs`` that fit: finished, of a registered drafter, trained against the target
+    whose ``target.json`` record is ``record``. Each is verified by the target it is served with: ``host_target``
+    when that is the same folder as ``host_path`` (what this run is evaluated on), else its own, loaded. Returns
+    them and one note per run (measured, or why it was skipped: a peer that does not fit is never a failure).
+    Loading draws nothing from the global RNG."""
     peers, notes = [], []
     with torch.random.fork_rng(devices=[]):
         for name in folders:
             folder = Path(name)
             try:
-                theirs = json.loads((folder / TARGET_FILE).read_text()) if (folder / TARGET_FILE).exists() else None
-                if theirs is not None and theirs != identity:
+                if not (folder / TARGET_FILE).exists():
+                    raise FileNotFoundError(f"no {TARGET_FILE}: not a finished run of this version")
+                theirs = json.loads((folder / TARGET_FILE).read_text())
+                if theirs != record:
                     raise ValueError(f"made for another target: (peer, this run) differ in "
-                                     f"{ {k: (theirs.get(k), v) for k, v in identity.items() if theirs.get(k) != v} }")
+                                     f"{ {k: (theirs.get(k), v) for k, v in record.items() if theirs.get(k) != v} }")
                 recipe = drafters.of_run(folder)
                 conf = run_config(folder, recipe)
-                peers.append(PeerRun(folder, recipe, conf, recipe.load(folder, conf, target)))
-                notes.append(f"{folder}: {recipe.name}, measured")
+                spec = recipe.target_of(folder, conf)
+                path = resolve_target_path(spec, conf.cache_dir)
+                target = host_target if path == host_path else load_target(spec, conf.cache_dir)[0].to(host_target.device)
+                peers.append(PeerRun(folder, recipe, conf, recipe.load(folder, conf, target), target))
+                notes.append(f"{folder}: {recipe.name}, measured" + ("" if target is host_target else f" on its own "
+                                                                      f"target {path}, the one it is served with"))
             except (FileNotFoundError, ValueError) as e:
                 notes.append(f"{folder}: skipped ({e})")
     return peers, notes
 
 
-def peer_methods(conf, peers: list[PeerRun], target, tokenizer, sampling: Sampling, taken: set[str]) -> dict:
+def peer_methods(conf, peers: list[PeerRun], tokenizer, sampling: Sampling, taken: set[str]) -> dict:
     """Every peer run's methods at ``sampling`` with this run's eval settings: its chain (by its drafter's
     name) and its own peers; a name already ``taken`` gets ``@<run folder name>``."""
     methods = {}
     eos, n = tokenizer.eos_token_id, conf.eval.max_new_tokens
     for peer in peers:
-        peer_conf = replace(peer.conf, eval=conf.eval)
+        peer_conf, target = replace(peer.conf, eval=conf.eval), peer.target
         chain = peer.recipe.chain(peer_conf, peer.trained, target)
-        own = {chain.name: lambda ids, gen, d=chain: speculative_decode(target, d, ids, n, eos, sampling, gen)}
+        own = {chain.name: lambda ids, gen, d=chain, t=target: speculative_decode(t, d, ids, n, eos, sampling, gen)}
         own |= peer.recipe.peers(peer_conf, peer.trained, target, tokenizer, sampling)
         for name, decode in own.items():
             key = name if name not in taken | methods.keys() else f"{name}@{peer.folder.name}"
@@ -108,7 +117,7 @@ def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, 
 
     def peers_at(sampling: Sampling) -> dict:
         own = recipe.peers(conf, trained, target, tokenizer, sampling)
-        own |= peer_methods(conf, list(peers), target, tokenizer, sampling, {drafter.name, *own})
+        own |= peer_methods(conf, list(peers), tokenizer, sampling, {drafter.name, *own})
         return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
 
     return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at)

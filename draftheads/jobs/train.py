@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from draftheads import drafters
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs
-from draftheads.training.job import Job, close_job, job_rows, open_job
+from draftheads.models.target import resolve_target_path
+from draftheads.training.job import TARGET_FILE, Job, close_job, job_rows, open_job
 from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.runtime import distributed
 
@@ -36,16 +37,13 @@ def train(name: str, cfg: DictConfig) -> dict:
     if job.accelerator.is_main_process and not job.conf.resume:  # an old report must not look like this run's
         write_report({"drafter": recipe.name, "finished": [],
                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
-    peers, peer_notes = [], []
-    if job.accelerator.is_main_process and job.conf.eval.enabled:
-        peers, peer_notes = load_peer_runs(job.conf.eval.peer_runs, job.identity, job.target)
     train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
                                                  attach=recipe.attach_states(job.conf), unusable=recipe.unusable)
     trained = recipe.train(job, train_rows)
     report = {}
     if job.accelerator.is_main_process:
         report = finish_run(job, recipe, trained, val_rows, {"data": data_report.as_dict(),
-                                                             "train_curves": trained.curves}, peers, peer_notes)
+                                                             "train_curves": trained.curves})
     return close_job(job, report)
 
 
@@ -55,13 +53,17 @@ def _steps(conf) -> list[str]:
             *(["evaluation"] if conf.eval.enabled else [])]
 
 
+def _record(out: Path) -> dict:
+    """The run's ``target.json``: what it trained against (a stage-2 target has changed since)."""
+    return json.loads((out / TARGET_FILE).read_text())
+
+
 def _report(out: Path) -> dict:
     path = out / "report.json"
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict,
-               peers: list = (), peer_notes: list[str] = ()) -> dict:
+def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict) -> dict:
     """Validate, save, export, write ``report.json``, then evaluate and write it again; returns the report.
     ``report["finished"]`` lists the steps done, so a report left by a failed evaluation says so. Metrics are
     logged at ``trained.step``, the last training step on the tracker's axis."""
@@ -79,8 +81,9 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
         report["exports"] = {**report.get("exports", {}), **recipe.export(out, job.target, trained)}
         report["finished"].append("export")
     print(f"report: {write_report(report, out)}", flush=True)
-    if conf.eval.enabled:
-        report["peer_runs"] = list(peer_notes)
+    if conf.eval.enabled:  # peers after the save: this run's target is then the one it is served with
+        host = resolve_target_path(recipe.target_of(out, conf), conf.cache_dir)
+        peers, report["peer_runs"] = load_peer_runs(conf.eval.peer_runs, _record(out), host, job.target)
         report["eval"] = evaluate_drafter(conf, recipe, trained, job.target, job.tokenizer, job.eval_sets, peers)
         report["finished"].append("evaluation")
         print(format_table(report["eval"]), flush=True)

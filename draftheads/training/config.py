@@ -249,6 +249,18 @@ class TrainerConfig:
     excluded; torch's FlopCounterMode) and log ``perf/tflops_per_s`` per process from them: divided by the
     device's peak, model FLOPs utilisation."""
 
+    def __post_init__(self):
+        positive = {"lr": self.lr, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
+                    "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
+                    "hidden_states_batch_size": self.hidden_states_batch_size, "max_grad_norm": self.max_grad_norm}
+        bad = [f"trainer.{k}={v}" for k, v in positive.items() if not v > 0]
+        bad += [f"trainer.{k}={v}" for k, v in (("weight_decay", self.weight_decay), ("keep_last", self.keep_last))
+                if v < 0]
+        if bad or not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"{', '.join(bad) or f'trainer.warmup_ratio={self.warmup_ratio}'}: learning rate, batch "
+                             f"sizes, intervals and the clipping norm must be > 0, weight decay and keep_last >= 0, "
+                             f"warmup_ratio in [0, 1]")
+
 
 @dataclass
 class TrackerConfig:
@@ -272,6 +284,9 @@ class RunConfig:
     """Converted models and regenerated data, reused across runs."""
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
+    overwrite: bool = False
+    """Start afresh in an output_dir that holds a run (its checkpoints and report are deleted first; its saved
+    drafter and exports are replaced at the end); without it such an output_dir is refused unless resuming."""
     export: bool = True
     """Write the drafter's server formats under output_dir/export at the end (a drafter whose export is also
     its saved model, like DFlash's export/dflash, writes it either way)."""

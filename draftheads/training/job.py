@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,7 +19,7 @@ from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.pipeline import self_distilled_rows
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.models.target import load_target, model_identity
+from draftheads.models.target import load_target, model_identity, weights_sample
 from draftheads.training.checkpoint import latest_checkpoint
 from draftheads.training.config import HiddenStates, RunConfig, to_schema
 from draftheads.training.recipe import Recipe
@@ -41,8 +42,14 @@ class Job:
 
 
 TARGET_FILE = "target.json"
-"""The identity of the target a run trained against (:func:`draftheads.models.target.model_identity`), written
-beside ``config.yaml`` when the run opens; peer runs and reloads are checked against it."""
+"""What a run trained against (:func:`target_record`), written beside ``config.yaml`` when the run opens; peer
+runs are checked against it."""
+
+
+def target_record(target, identity: dict) -> dict:
+    """The target's identity (:func:`~draftheads.models.target.model_identity`) and a sample of its weights,
+    which tells apart targets of one architecture and size."""
+    return {**identity, "weights_sample_sha256": weights_sample(target)}
 
 
 def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
@@ -62,6 +69,9 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     out = Path(conf.output_dir)
     if accelerator.is_main_process:
         check_writable(out)
+    if recipe is not None and not conf.resume:
+        claim_output_dir(out, conf.overwrite, accelerator.is_main_process)
+        accelerator.wait_for_everyone()
     eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
@@ -75,8 +85,20 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     resume = latest_checkpoint(out, identity, recipe.stages if recipe else ()) if conf.resume else None
     if accelerator.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-        (out / TARGET_FILE).write_text(json.dumps(identity, indent=1))
+        (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+
+
+def claim_output_dir(out: Path, overwrite: bool, main: bool) -> None:
+    """A new run's output_dir must not hold another run (checkpoints, report.json): ``FileExistsError`` naming
+    the choices, before any work; with ``overwrite`` the main process deletes them (nothing of the old run is
+    then left to look like this one's)."""
+    held = [p for p in (out / "checkpoints", out / "report.json") if p.exists()]
+    if held and not overwrite:
+        raise FileExistsError(f"output_dir={out} holds a run ({', '.join(p.name for p in held)}): resume=true "
+                              f"continues it, overwrite=true starts afresh there, or choose another output_dir")
+    for p in held if main else ():
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
 def check_writable(out: Path) -> None:

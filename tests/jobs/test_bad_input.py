@@ -42,7 +42,8 @@ def test_a_block_size_without_a_known_loss_decay_fails_before_the_data(tmp_path,
     assert not (tmp_path / "run" / "report.json").exists()
 
 
-def test_help_prints_the_usage_instead_of_reading_a_run_named_help():
+def test_help_prints_the_usage_instead_of_reading_a_run_named_help(capsys):
     for flag in ("--help", "-h"):
-        with pytest.raises(SystemExit, match="usage text"):
+        with pytest.raises(SystemExit) as exit_:
             parse_args([flag], ("weights",), "usage text")
+        assert exit_.value.code == 0 and "usage text" in capsys.readouterr().out

@@ -70,19 +70,32 @@ def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cac
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny):
+def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny, cache_dir):
     """Any finished run is measured beside another for the same target; a missing run or one made for another
-    target is skipped and says why, never a failure."""
+    target (other sizes, or the same sizes with other weights) is skipped and says why, never a failure."""
     model, _ = tiny
-    identity = json.loads((medusa_run / "target.json").read_text())
-    peers, notes = load_peer_runs([str(medusa_run)], identity, model)
+    record, host = json.loads((medusa_run / "target.json").read_text()), load_target(TargetSpec(TINY), cache_dir)[2]
+    peers, notes = load_peer_runs([str(medusa_run)], record, host, model)
     assert [p.recipe.name for p in peers] == ["medusa"] and notes == [f"{medusa_run}: medusa, measured"]
-    assert peers[0].trained.saved["head_rank_accuracy"]  # the tree's accuracies travel with the heads
-    peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], {**identity, "hidden_size": 32},
-                                  model)
-    assert peers == [] and len(notes) == 2
-    assert "skipped (made for another target" in notes[0] and "hidden_size" in notes[0]
-    assert "skipped" in notes[1] and "not a run directory" in notes[1]
+    assert peers[0].trained.saved["head_rank_accuracy"] and peers[0].target is model  # its tree's accuracies
+    other_weights = {**record, "weights_sample_sha256": "0" * 64}
+    for other in ({**record, "hidden_size": 32}, other_weights):
+        peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], other, host, model)
+        assert peers == [] and len(notes) == 2 and "skipped (made for another target" in notes[0]
+        assert "skipped" in notes[1] and "target.json" in notes[1]
+
+
+def test_a_stage_2_medusa_peer_is_verified_by_its_own_target(tmp_path, cache_dir, tiny):
+    """Heads trained with stage 2 are served with their own modified target: as a peer they are measured so."""
+    model, _ = tiny
+    out = tmp_path / "stage2"
+    run_medusa(cfg("medusa", out, cache_dir, "stage1.epochs=1", "stage2.epochs=0.5", "stage2.unfreeze_last_n_layers=1",
+                   "eval.enabled=false", "export=false"))
+    record, host = json.loads((out / "target.json").read_text()), load_target(TargetSpec(TINY), cache_dir)[2]
+    (peer,), (note,) = load_peer_runs([str(out)], record, host, model)
+    assert peer.target is not model and "on its own target" in note and str(out / "export" / "target") in note
+    changed = dict(peer.target.named_parameters())["model.layers.3.mlp.up_proj.weight"]
+    assert not torch.equal(changed, dict(model.named_parameters())["model.layers.3.mlp.up_proj.weight"])
 
 
 def test_online_features_train_like_offline_ones(tiny):

@@ -100,15 +100,18 @@ def test_resuming_a_finished_run_does_nothing(smoke_run, cache_dir):
     assert again == json.loads((out / "report.json").read_text()) == json.loads(json.dumps(report))
 
 
-def test_a_failed_rerun_leaves_no_old_report_looking_current(smoke_run, tmp_path, cache_dir):
-    """The old report is replaced when the new run starts; this one fails before training
-    (data.num_val_prompts=0), and the report says nothing finished."""
+def test_a_new_run_into_a_runs_folder_is_refused_or_starts_afresh(smoke_run, tmp_path, cache_dir):
+    """Without resume a folder holding a run is refused before any work (nothing of it changes); with overwrite
+    its report is replaced at once, so a rerun that then fails leaves a report saying nothing finished."""
     out, _ = smoke_run
     rerun = tmp_path / "rerun"
     rerun.mkdir()
     shutil.copy(out / "report.json", rerun / "report.json")
+    with pytest.raises(FileExistsError, match="resume=true continues it, overwrite=true starts afresh there"):
+        run(smoke_cfg(rerun, cache_dir))
+    assert (rerun / "report.json").read_bytes() == (out / "report.json").read_bytes()
     with pytest.raises(ValueError, match="num_val_prompts"):
-        run(smoke_cfg(rerun, cache_dir, "data.num_val_prompts=0"))
+        run(smoke_cfg(rerun, cache_dir, "overwrite=true", "data.num_val_prompts=0"))
     assert json.loads((rerun / "report.json").read_text())["finished"] == []
     assert not (rerun / "checkpoints").exists()
 

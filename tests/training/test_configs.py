@@ -146,3 +146,17 @@ def test_slurm_script_is_valid_bash():
     import subprocess
     assert subprocess.run(["bash", "-n", str(LAUNCH / "slurm.sbatch")]).returncode == 0
     assert sorted(p.stem for p in LAUNCH.glob("*.yaml")) == sorted(EXPECTED_LAUNCH)
+
+
+@pytest.mark.parametrize("override", ["trainer.batch_size=0", "trainer.lr=-1", "trainer.grad_accum=0",
+                                      "trainer.warmup_ratio=1.5", "trainer.keep_last=-1"])
+def test_out_of_range_trainer_settings_fail_when_the_config_is_made(override):
+    with pytest.raises(ValueError, match=override.split("=")[0]):
+        to_schema(_compose(override))
+
+
+@pytest.mark.parametrize("override", ["eval.top_p=0", "eval.temperatures=[-1]", "eval.top_k=-2"])
+def test_invalid_sampling_settings_fail_when_the_config_is_made(override):
+    """Not after training (NaN probabilities used to crash the evaluation and lose the report)."""
+    with pytest.raises(ValueError, match="0 < top_p <= 1"):
+        to_schema(_compose(override))
