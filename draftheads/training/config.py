@@ -176,16 +176,6 @@ class EvalConfig:
     z-lab's reference dflash package)."""
     seed: int = 0
     """Seed of the sampling generator (baseline and speculative draw from it in turn)."""
-    tree: bool = True
-    """Also measure Medusa tree verification (greedy, or typical acceptance when ``typical``)."""
-    medusa_choices: list[list[int]] | None = None
-    """The tree as paths of top-k indices (Medusa's format); default: grown from the heads' measured rank
-    accuracies for ``tree_budget`` nodes."""
-    tree_budget: int = 64
-    typical: bool = False
-    """Typical acceptance for the tree (Medusa paper eq. 3): faster, not lossless; reported as such."""
-    typical_epsilon: float = 0.09
-    typical_delta: float = 0.3
     peers: list[str] | None = None
     """Methods measured beside the drafter under test, by report name: medusa_chain, medusa_tree,
     medusa_tree_typical, dflash_denoise<N>, prompt_lookup. null: all the run offers; []: none."""

@@ -146,7 +146,7 @@ def test_trackers_record_the_run(tmp_path, cache_dir, monkeypatch, tracker):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / tracker
     run(smoke_cfg(out, cache_dir, f"tracker={tracker}", "stage2.enabled=false", "export=false",
-                  "eval.max_new_tokens=4", "eval.tree=false", "eval.prompt_lookup_tokens=0",
+                  "eval.max_new_tokens=4", "tree.enabled=false", "eval.prompt_lookup_tokens=0",
                   "eval.sets=[{name: c, source: chitchat, num_prompts: 1}]"))
     if tracker == "wandb":
         run_id = (out / "wandb_run_id").read_text().strip()

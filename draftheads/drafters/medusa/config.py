@@ -20,6 +20,21 @@ class MedusaConfig:
 
 
 @dataclass
+class TreeConfig:
+    """Medusa's tree verification, measured beside the heads' chain (``medusa_tree``; with typical acceptance,
+    at t > 0 or with ``typical``, ``medusa_tree_typical``)."""
+    enabled: bool = True
+    choices: list[list[int]] | None = None
+    """The tree as paths of top-k indices (Medusa's ``medusa_choices`` format); default: grown from the heads'
+    measured rank accuracies for ``budget`` nodes."""
+    budget: int = 64
+    typical: bool = False
+    """Typical acceptance at temperature 0 too (Medusa paper eq. 3): faster, not lossless; reported as such."""
+    typical_epsilon: float = 0.09
+    typical_delta: float = 0.3
+
+
+@dataclass
 class Stage2Config(StageConfig):
     """Medusa-2: heads and the target's last decoder layers trained jointly."""
     unfreeze_last_n_layers: int = 4
@@ -37,5 +52,6 @@ class MedusaRunConfig(RunConfig):
     medusa: MedusaConfig = field(default_factory=MedusaConfig)
     stage1: StageConfig = field(default_factory=StageConfig)
     stage2: Stage2Config = field(default_factory=Stage2Config)
+    tree: TreeConfig = field(default_factory=TreeConfig)
     output_dir: str = "runs/medusa"
     drafter: str = "medusa"

@@ -120,16 +120,16 @@ class Medusa:
     def chain(self, conf, trained: Trained, target) -> MedusaDrafter:
         return MedusaDrafter(trained.model, target.get_output_embeddings())
 
-    def peers(self, conf, trained: Trained, target, tokenizer, sampling: Sampling) -> dict:
-        """The heads as a tree (greedy, or typical acceptance at t > 0 or with ``eval.typical``), when
-        ``eval.tree``; the tree is ``eval.medusa_choices`` or grown from the saved rank accuracies."""
-        eval_cfg = conf.eval
-        if not eval_cfg.tree:
+    def peers(self, conf: MedusaRunConfig, trained: Trained, target, tokenizer, sampling: Sampling) -> dict:
+        """The heads as a tree (greedy, or typical acceptance at t > 0 or with ``tree.typical``), when
+        ``tree.enabled``; the tree is ``tree.choices`` or grown from the saved rank accuracies."""
+        t = conf.tree
+        if not t.enabled:
             return {}
-        tree = medusa_tree(eval_cfg, trained.model.num_heads, trained.saved.get("head_rank_accuracy"))
-        drafter, eos, n = self.chain(conf, trained, target), tokenizer.eos_token_id, eval_cfg.max_new_tokens
-        typical = (TypicalAcceptance(eval_cfg.typical_epsilon, eval_cfg.typical_delta, sampling.temperature or 0.7)
-                   if eval_cfg.typical or not sampling.greedy else None)
+        tree = medusa_tree(t, trained.model.num_heads, trained.saved.get("head_rank_accuracy"))
+        drafter, eos, n = self.chain(conf, trained, target), tokenizer.eos_token_id, conf.eval.max_new_tokens
+        typical = (TypicalAcceptance(t.typical_epsilon, t.typical_delta, sampling.temperature or 0.7)
+                   if t.typical or not sampling.greedy else None)
         return {"medusa_tree_typical" if typical else "medusa_tree":
                 lambda ids, gen: tree_decode(target, drafter, tree, ids, n, eos, typical)}
 
@@ -138,14 +138,14 @@ class Medusa:
                 "num_speculative_tokens": trained.model.num_heads}
 
 
-def medusa_tree(eval_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
-    """``eval.medusa_choices`` as a tree, or one grown from rank accuracies ([K][r]) for ``eval.tree_budget``
-    nodes. Raises ``ValueError`` for a tree deeper than ``num_heads`` or neither choices nor accuracies."""
-    choices = eval_cfg.medusa_choices
+def medusa_tree(tree_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
+    """``tree.choices`` as a tree, or one grown from rank accuracies ([K][r]) for ``tree.budget`` nodes. Raises
+    ``ValueError`` for a tree deeper than ``num_heads`` or neither choices nor accuracies."""
+    choices = tree_cfg.choices
     if choices is None:
         if rank_accuracy is None:
-            raise ValueError("no eval.medusa_choices and no measured head accuracies to grow a tree from")
-        choices = default_choices(rank_accuracy, eval_cfg.tree_budget)
+            raise ValueError("no tree.choices and no measured head accuracies to grow a tree from")
+        choices = default_choices(rank_accuracy, tree_cfg.budget)
     return Tree.from_choices(choices, num_heads)
 
 
