@@ -74,7 +74,8 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
                                                      if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
     report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
               "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
-              "dtype": conf.model.dtype, "validation": val, **extra, "notes": NOTES}
+              "dtype": conf.model.dtype, "resumed_from": str(job.resume[0]) if job.resume else None,
+              "validation": val, **extra, "notes": NOTES}
     report |= recipe.save(job, trained)
     report["finished"] = ["training", "validation", "save"]
     if conf.export:

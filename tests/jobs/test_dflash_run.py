@@ -65,7 +65,9 @@ def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cac
     cut = cut_back(out, "dflash-step000005", tmp_path / "cut")
     report = run_dflash(cfg("dflash", cut, cache_dir, "train.epochs=6", "resume=true", "eval.enabled=false",
                             f"eval.peer_runs=[{medusa_run}]", "dflash.block_size=8"))
-    assert report["train_curves"]["dflash"][0]["step"] > 5
+    assert report["resumed_from"] == str(cut / "checkpoints" / "dflash-step000005")
+    whole = dflash_run[1]["train_curves"]["dflash"]
+    assert [x["step"] for x in report["train_curves"]["dflash"]] == [x["step"] for x in whole]  # the whole curve
     a, b = (load_file(str(d / "export" / "dflash" / "model.safetensors")) for d in (out, cut))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
