@@ -65,12 +65,15 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     conf = to_schema(cfg)
     if recipe is not None and conf.drafter != recipe.name:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
-    accelerator = make_accelerator(cfg, run_name=Path(conf.output_dir).name)
     out = Path(conf.output_dir)
+    claim = recipe is not None and not conf.resume
+    if claim:  # refused before the tracker starts a run there
+        claim_output_dir(out, conf.overwrite, delete=False)
+    accelerator = make_accelerator(cfg, run_name=out.name)
     if accelerator.is_main_process:
         check_writable(out)
-    if recipe is not None and not conf.resume:
-        claim_output_dir(out, conf.overwrite, accelerator.is_main_process)
+    if claim:
+        claim_output_dir(out, conf.overwrite, delete=accelerator.is_main_process)
         accelerator.wait_for_everyone()
     eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
@@ -89,15 +92,15 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
 
 
-def claim_output_dir(out: Path, overwrite: bool, main: bool) -> None:
+def claim_output_dir(out: Path, overwrite: bool, delete: bool) -> None:
     """A new run's output_dir must not hold another run (checkpoints, report.json): ``FileExistsError`` naming
-    the choices, before any work; with ``overwrite`` the main process deletes them (nothing of the old run is
-    then left to look like this one's)."""
+    the choices, before any work; with ``overwrite`` and ``delete`` (the main process) they are deleted, so
+    nothing of the old run is left to look like this one's."""
     held = [p for p in (out / "checkpoints", out / "report.json") if p.exists()]
     if held and not overwrite:
         raise FileExistsError(f"output_dir={out} holds a run ({', '.join(p.name for p in held)}): resume=true "
                               f"continues it, overwrite=true starts afresh there, or choose another output_dir")
-    for p in held if main else ():
+    for p in held if delete and overwrite else ():
         shutil.rmtree(p) if p.is_dir() else p.unlink()
 
 
