@@ -77,6 +77,9 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
                 if not (folder / TARGET_FILE).exists():
                     raise FileNotFoundError(f"no {TARGET_FILE}: not a finished run of this version")
                 theirs = json.loads((folder / TARGET_FILE).read_text())
+                if record.keys() - theirs.keys():
+                    raise FileNotFoundError(f"its {TARGET_FILE} lacks {sorted(record.keys() - theirs.keys())}: made by "
+                                            f"an older draftheads, train it again to measure it here")
                 if theirs != record:
                     raise ValueError(f"made for another target: (peer, this run) differ in "
                                      f"{ {k: (theirs.get(k), v) for k, v in record.items() if theirs.get(k) != v} }")

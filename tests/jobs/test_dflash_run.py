@@ -85,6 +85,12 @@ def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny, cac
         peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], other, host, model)
         assert peers == [] and len(notes) == 2 and "skipped (made for another target" in notes[0]
         assert "skipped" in notes[1] and "target.json" in notes[1]
+    (medusa_run / "target.json").write_text(json.dumps({k: v for k, v in record.items() if k != "weights_sample_sha256"}))
+    try:
+        peers, (note,) = load_peer_runs([str(medusa_run)], record, host, model)
+        assert peers == [] and "lacks ['weights_sample_sha256']: made by an older draftheads" in note
+    finally:
+        (medusa_run / "target.json").write_text(json.dumps(record))
 
 
 def test_a_stage_2_medusa_peer_is_verified_by_its_own_target(tmp_path, cache_dir, tiny):
