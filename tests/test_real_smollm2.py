@@ -42,8 +42,8 @@ def test_speculative_greedy_matches_plain_greedy_on_the_real_target(smollm2):
     drafter = MedusaDrafter(heads, model.get_output_embeddings())
     for text in ("What is your favourite season and why?", "def fib(n):"):
         ids = torch.tensor(prompt_ids(tokenizer, text))
-        plain = plain_decode(model, ids, 24, tokenizer.eos_token_id)
-        spec = speculative_decode(model, drafter, ids, 24, tokenizer.eos_token_id)
+        plain = plain_decode(model, ids, 24, {tokenizer.eos_token_id})
+        spec = speculative_decode(model, drafter, ids, 24, {tokenizer.eos_token_id})
         assert spec.tokens == plain.tokens
         assert len(plain.tokens) > 5
 

@@ -25,8 +25,10 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from draftheads.data.regenerate import prompt_ids
 from draftheads.data.conversations import first_user_prompts
+from draftheads.data.regenerate import prompt_ids
+from draftheads.data.templates import stop_token_ids
+from draftheads.models.decoding import generation_defaults
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
 NOTES = ("acceptance_length (tau) = 1 + drafts accepted per verification step, counted before the token budget and "
@@ -53,19 +55,19 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     independent samples coincide and is reported as None.
     """
     device = next(target.parameters()).device
-    eos = tokenizer.eos_token_id
+    stop = stop_token_ids(tokenizer, target.generation_config)
     peers = peers or {}
     generator = torch.Generator().manual_seed(seed)
     warm = torch.tensor(prompt_ids(tokenizer, "Hello"), device=device)
-    plain_decode(target, warm, 4, eos), speculative_decode(target, drafter, warm, 4, eos)  # one-time costs
+    plain_decode(target, warm, 4, stop), speculative_decode(target, drafter, warm, 4, stop)  # one-time costs
     for decode in peers.values():  # every method pays its own one-time costs before timing
         decode(warm, torch.Generator().manual_seed(seed))
     plain, spec, mismatches = [], [], []
     others: dict[str, list[DecodeResult]] = {name: [] for name in peers}
     for p in tqdm(prompts, desc=desc, unit="prompt"):
         ids = torch.tensor(prompt_ids(tokenizer, p.text), device=device)
-        plain.append(plain_decode(target, ids, max_new_tokens, eos, sampling, generator))
-        spec.append(speculative_decode(target, drafter, ids, max_new_tokens, eos, sampling, generator))
+        plain.append(plain_decode(target, ids, max_new_tokens, stop, sampling, generator))
+        spec.append(speculative_decode(target, drafter, ids, max_new_tokens, stop, sampling, generator))
         for name, decode in peers.items():
             others[name].append(decode(ids, generator))
         if sampling.greedy and plain[-1].tokens != spec[-1].tokens:
@@ -79,6 +81,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     metrics["method"] = drafter.name
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                            "proposal": sampling.proposal}
+    metrics["decoding"] = {"stop_token_ids": sorted(stop), "ignored_generation_defaults": generation_defaults(target)}
     return metrics
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import eval_prompts, evaluate_set
 from draftheads.models.speculative import Sampling, prompt_lookup_decode
 
@@ -48,6 +49,6 @@ def prompt_lookup_peer(eval_cfg, target, tokenizer, sampling: Sampling) -> dict:
     """transformers' prompt-lookup decoding, the model-free peer, at this temperature (lossless)."""
     if eval_cfg.prompt_lookup_tokens <= 0:
         return {}
-    eos, n = tokenizer.eos_token_id, eval_cfg.max_new_tokens
-    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, eos, eval_cfg.prompt_lookup_tokens,
+    stop, n = stop_token_ids(tokenizer, target.generation_config), eval_cfg.max_new_tokens
+    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, stop, eval_cfg.prompt_lookup_tokens,
                                                                    sampling, gen)}

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from draftheads.data.templates import stop_token_ids
 from draftheads.models.speculative import speculative_decode
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
@@ -28,9 +29,9 @@ def our_side(target, tokenizer, drafter, prompt_ids: list[list[int]], max_new_to
     """Our chain decoding of every prompt: outputs and vLLM-style counters."""
     outputs, steps = [], []
     device = next(target.parameters()).device
+    stop = stop_token_ids(tokenizer, target.generation_config)
     for ids in prompt_ids:
-        r = speculative_decode(target, drafter, torch.tensor(ids, device=device), max_new_tokens,
-                               tokenizer.eos_token_id)
+        r = speculative_decode(target, drafter, torch.tensor(ids, device=device), max_new_tokens, stop)
         outputs.append(r.tokens)
         steps += r.accepted_per_step
     return {"outputs": outputs, "metrics": {

@@ -6,8 +6,9 @@ given prompt token ids with a draftheads export, through vLLM's offline ``LLM`` 
 
 Imports nothing from draftheads (that environment has vLLM's pinned transformers, not ours). ``job.json``:
 ``mode`` (offline | serve), ``target``, ``speculative_config``, ``prompts`` (token id lists), ``messages`` (the
-same prompts as chats, for serve), ``max_tokens``, ``port``. ``result.json``: ``outputs`` (token ids; serve:
-texts) and ``metrics`` (drafts, draft tokens, accepted tokens, accepted per position).
+same prompts as chats, for serve), ``max_tokens``, ``stop_token_ids`` (the target's stop set), ``port``.
+``result.json``: ``outputs`` (token ids; serve: texts) and ``metrics`` (drafts, draft tokens, accepted tokens,
+accepted per position).
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import time
 import urllib.request
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024}
+# generation_config="vllm": the target's generation_config.json decoding defaults stay out, as in every path of
+# draftheads (draftheads.models.decoding); the stop set is passed with each request.
+ENGINE = {"dtype": "float32", "enforce_eager": True, "max_model_len": 1024, "generation_config": "vllm"}
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
             "vllm:spec_decode_num_accepted_tokens": "accepted", "vllm:spec_decode_num_accepted_tokens_per_pos":
             "accepted_per_pos"}
@@ -31,7 +34,8 @@ def offline(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     llm = LLM(model=job["target"], speculative_config=job["speculative_config"], disable_log_stats=False, **ENGINE)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]],
-                        SamplingParams(temperature=0.0, max_tokens=job["max_tokens"]))
+                        SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
+                                       stop_token_ids=job["stop_token_ids"]))
     metrics = {}
     for m in llm.get_metrics():
         if m.name in COUNTERS:
@@ -46,6 +50,7 @@ def serve(job: dict) -> dict:
     port = job["port"]
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", job["target"],
            "--served-model-name", "draft", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
+           "--generation-config", "vllm",
            "--host", "127.0.0.1", "--port", str(port), "--speculative-config", json.dumps(job["speculative_config"])]
     server = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     try:
@@ -63,7 +68,9 @@ def serve(job: dict) -> dict:
                 time.sleep(1)
         client = OpenAI(base_url=base + "/v1", api_key="none")
         texts = [client.chat.completions.create(model="draft", messages=m, temperature=0.0,
-                                                max_tokens=job["max_tokens"]).choices[0].message.content
+                                                max_tokens=job["max_tokens"],
+                                                extra_body={"stop_token_ids": job["stop_token_ids"]}
+                                                ).choices[0].message.content
                  for m in job["messages"]]
         scrape = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
         return {"outputs": texts, "metrics": parse_prometheus(scrape)}

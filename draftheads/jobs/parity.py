@@ -9,6 +9,7 @@ from pathlib import Path
 
 from draftheads import drafters
 from draftheads.data.regenerate import prompt_ids
+from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
 from draftheads.evaluation.vllm_env import VLLM, ensure_vllm
@@ -34,7 +35,7 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
         ours = our_side(run.target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)
         job = {"target": str(run.target_path), "speculative_config": spec, "prompts": ids, "max_tokens":
                eval_cfg.max_new_tokens, "messages": [[{"role": "user", "content": p.text}] for p in prompts],
-               "port": 8011}
+               "port": 8011, "stop_token_ids": sorted(stop_token_ids(tokenizer, run.target.generation_config))}
         rows.append({"mode": "offline", **compare(name, ours, run_vllm(python, {**job, "mode": "offline"}))})
         if serve:
             served = run_vllm(python, {**job, "mode": "serve"})

@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from draftheads import drafters
+from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.models.target import load_target, resolve_target_path
@@ -100,11 +101,13 @@ def peer_methods(conf, peers: list[PeerRun], tokenizer, sampling: Sampling, take
     """Every peer run's methods at ``sampling`` with this run's eval settings: its chain (by its drafter's
     name) and its own peers; a name already ``taken`` gets ``@<run folder name>``."""
     methods = {}
-    eos, n = tokenizer.eos_token_id, conf.eval.max_new_tokens
+    n = conf.eval.max_new_tokens
     for peer in peers:
         peer_conf, target = replace(peer.conf, eval=conf.eval), peer.target
         chain = peer.recipe.chain(peer_conf, peer.trained, target)
-        own = {chain.name: lambda ids, gen, d=chain, t=target: speculative_decode(t, d, ids, n, eos, sampling, gen)}
+        stop = stop_token_ids(tokenizer, target.generation_config)
+        own = {chain.name: lambda ids, gen, d=chain, t=target, s=stop: speculative_decode(t, d, ids, n, s, sampling,
+                                                                                            gen)}
         own |= peer.recipe.peers(peer_conf, peer.trained, target, tokenizer, sampling)
         for name, decode in own.items():
             key = name if name not in taken | methods.keys() else f"{name}@{peer.folder.name}"

@@ -18,7 +18,9 @@ from draftheads.data.batching import DataReport, data_scalars, padding_fraction,
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.pipeline import self_distilled_rows
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
+from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
+from draftheads.models.decoding import generation_defaults
 from draftheads.models.target import load_target, model_identity, weights_sample
 from draftheads.training.checkpoint import latest_checkpoint
 from draftheads.training.config import HiddenStates, RunConfig, to_schema
@@ -83,6 +85,10 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
+    stop, ignored = stop_token_ids(tokenizer, target.generation_config), generation_defaults(target)
+    print0(accelerator, f"decoding: stops at {tokenizer.convert_ids_to_tokens(sorted(stop))}"
+                        + (f"; the target's generation_config defaults {ignored} are ignored: every path decodes "
+                           "with the configured settings" if ignored else ""))
     if recipe is not None:
         recipe.check(conf, target)
     resume = latest_checkpoint(out, identity, recipe.stages if recipe else ()) if conf.resume else None

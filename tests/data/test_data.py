@@ -77,11 +77,11 @@ class Killed(Exception):
 
 def recording_generate(calls: list, fail_after: int | None = None):
     """A ``generate_ids`` that records the prompt ids it is asked for (and raises after ``fail_after`` calls)."""
-    def fake(model, tokenizer, batch, settings):
+    def fake(model, tokenizer, batch, settings, stop):
         if fail_after is not None and len(calls) >= fail_after:
             raise Killed
         calls.append([list(b) for b in batch])
-        return REAL_GENERATE(model, tokenizer, batch, settings)
+        return REAL_GENERATE(model, tokenizer, batch, settings, stop)
     return fake
 
 
@@ -440,8 +440,8 @@ def test_batched_left_padded_generation_equals_per_prompt(target):
     batch = [prompt_ids(tokenizer, t) for t in texts]
     assert len({len(b) for b in batch}) == 3
     settings = GenerationSettings(max_new_tokens=8)
-    together = REAL_GENERATE(model, tokenizer, batch, settings)
-    alone = [REAL_GENERATE(model, tokenizer, [ids], settings)[0] for ids in batch]
+    together = REAL_GENERATE(model, tokenizer, batch, settings, {tokenizer.eos_token_id})
+    alone = [REAL_GENERATE(model, tokenizer, [ids], settings, {tokenizer.eos_token_id})[0] for ids in batch]
     assert together == alone
     assert len({tuple(r) for r, _ in together}) > 1  # the outputs depend on the prompt
 

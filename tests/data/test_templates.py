@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from draftheads.data.templates import TemplateRejected, apply_system_policy, chat_tokens
-from draftheads.models.target import tiny_tokenizer
+from draftheads.models.tiny import tiny_tokenizer
 
 SMOLLM2 = (  # SmolLM2-135M-Instruct's own template (from the GGUF the main job runs); ChatML with a default system
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"

@@ -175,9 +175,9 @@ def test_greedy_dflash_decoding_equals_plain_greedy(tiny, drafter):
     from draftheads.data.regenerate import prompt_ids
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "Tell me something about the weather today"))
-    plain = plain_decode(model, ids, 40, None)
+    plain = plain_decode(model, ids, 40, ())
     for steps in (1, 3):
-        spec = speculative_decode(model, DFlashDrafter(drafter, steps), ids, 40, None)
+        spec = speculative_decode(model, DFlashDrafter(drafter, steps), ids, 40, ())
         assert spec.tokens == plain.tokens
         assert spec.target_forwards == len(spec.accepted_per_step) + 1
         assert all(0 <= n <= drafter.block_size - 1 for n in spec.accepted_per_step)
@@ -188,7 +188,7 @@ def test_a_drafter_that_knows_the_features_gets_whole_blocks_accepted(tiny):
     from draftheads.data.regenerate import prompt_ids
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "hello there"))
-    truth = plain_decode(model, ids, 30, None).tokens
+    truth = plain_decode(model, ids, 30, ()).tokens
     row = torch.tensor(ids.tolist() + truth)[None]
     attention = torch.ones_like(row)
     loss_mask = torch.zeros_like(row, dtype=torch.bool)
@@ -196,7 +196,7 @@ def test_a_drafter_that_knows_the_features_gets_whole_blocks_accepted(tiny):
     torch.manual_seed(0)
     drafter = DFlashDraftModel.for_target(model, 1, 4, LAYERS, choose_mask_token(tok, model.config.vocab_size))
     _train(drafter, layer_features(model, row, attention, LAYERS), row, loss_mask, 64, 150)  # overfit one row
-    spec = speculative_decode(model, DFlashDrafter(drafter), ids, 30, None)
+    spec = speculative_decode(model, DFlashDrafter(drafter), ids, 30, ())
     assert spec.tokens == truth[:30]
     assert len(spec.tokens) / len(spec.accepted_per_step) > 3.0  # close to the block size of 4
 
@@ -205,7 +205,7 @@ def test_sampled_dflash_decoding_is_reproducible(tiny, drafter):
     from draftheads.data.regenerate import prompt_ids
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "hi"))
-    runs = [speculative_decode(model, DFlashDrafter(drafter), ids, 20, None, Sampling(0.8),
+    runs = [speculative_decode(model, DFlashDrafter(drafter), ids, 20, (), Sampling(0.8),
                                torch.Generator().manual_seed(3)).tokens for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0]) == 20
 
@@ -234,13 +234,13 @@ def test_export_round_trip_and_server_fields(tiny, drafter, tmp_path):
     model, _ = tiny
     out = export_dflash(drafter, tmp_path / "dflash")
     config = json.loads((out / "config.json").read_text())
-    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "llama"
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == 6 and config["num_target_layers"] == 4 and config["num_hidden_layers"] == 2
     assert config["dflash_config"] == {"mask_token_id": drafter.mask_token_id, "target_layer_ids": LAYERS}
     assert config["vocab_size"] == 512 and config["head_dim"] == 16 and config["rope_theta"] > 0
     from safetensors.torch import load_file
     names = set(load_file(str(out / "model.safetensors")))
-    assert names == set(expected_shapes(drafter.config, True))
+    assert names == set(expected_shapes(drafter.config))
     assert not any("embed" in n or "lm_head" in n or n.startswith("model.") for n in names)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_norm.weight"} <= names
     loaded = load_dflash(out, model)

@@ -26,7 +26,7 @@ GAMMA = 4
 def greedy(tiny):
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "Tell me about your weekend plans please"))
-    return model, tok, ids, plain_decode(model, ids, 80, None).tokens
+    return model, tok, ids, plain_decode(model, ids, 80, ()).tokens
 
 
 def _known(truth: list[int], vocab: int, right: int):
@@ -54,9 +54,9 @@ def _known(truth: list[int], vocab: int, right: int):
 @pytest.mark.parametrize("right", [0, 2, 4])
 def test_an_oracle_drafter_gets_its_exact_tau_and_per_position_acceptance(greedy, right):
     model, tok, ids, truth = greedy
-    spec = speculative_decode(model, _known(truth, len(tok), right), ids, 31, None)
+    spec = speculative_decode(model, _known(truth, len(tok), right), ids, 31, ())
     assert spec.tokens == truth[:31] and set(spec.accepted_per_step) == {right}
-    m = summarize([plain_decode(model, ids, 31, None)], [spec], GAMMA, 31, [])
+    m = summarize([plain_decode(model, ids, 31, ())], [spec], GAMMA, 31, [])
     assert m["acceptance_length"] == 1 + right
     assert m["acceptance_rate_per_position"] == [1.0] * right + [0.0] * (GAMMA - right)
     assert m["cumulative_acceptance_per_position"] == [1.0] * right + [0.0] * (GAMMA - right)
@@ -67,9 +67,9 @@ def test_tau_is_counted_before_the_budget_cuts_the_last_step(greedy):
     """A perfect drafter at a budget that cuts its last block: tau stays 1 + gamma (as vLLM counts), while
     tokens per step, what the speedup follows, drops."""
     model, tok, ids, truth = greedy
-    spec = speculative_decode(model, _known(truth, len(tok), GAMMA), ids, 33, None)  # 1 + 5 * 6 = 31, then 2
+    spec = speculative_decode(model, _known(truth, len(tok), GAMMA), ids, 33, ())  # 1 + 5 * 6 = 31, then 2
     assert spec.tokens == truth[:33] and spec.accepted_per_step == [GAMMA] * 7
-    m = summarize([plain_decode(model, ids, 33, None)], [spec], GAMMA, 33, [])
+    m = summarize([plain_decode(model, ids, 33, ())], [spec], GAMMA, 33, [])
     assert m["acceptance_length"] == 1 + GAMMA
     assert m["tokens_per_step"] == pytest.approx(32 / 7)
     assert m["acceptance_length"] == pytest.approx(1 + sum(m["cumulative_acceptance_per_position"]))
@@ -118,7 +118,7 @@ def test_medusa_drafts_from_the_hidden_state_that_predicted_the_newest_token(gre
         p.data.normal_(0, 0.3)
     lm_head = model.get_output_embeddings()
     recorder = _Recorder(MedusaDrafter(heads, lm_head))
-    spec = speculative_decode(model, recorder, ids, 40, None)
+    spec = speculative_decode(model, recorder, ids, 40, ())
     assert spec.tokens == truth[:40]
     with torch.no_grad():
         states = model.base_model(input_ids=torch.tensor(ids.tolist() + truth)[None]).last_hidden_state[0]
@@ -132,7 +132,7 @@ def test_dflash_drafts_from_the_features_of_verified_tokens_only(greedy):
     torch.manual_seed(0)
     drafter = DFlashDraftModel.for_target(model, 1, GAMMA + 1, [0, 2, 3], choose_mask_token(tok, len(tok)))
     recorder = _Recorder(DFlashDrafter(drafter))
-    spec = speculative_decode(model, recorder, ids, 40, None)
+    spec = speculative_decode(model, recorder, ids, 40, ())
     assert spec.tokens == truth[:40]
     row = torch.tensor(ids.tolist() + truth)[None]
     with torch.no_grad():
@@ -163,7 +163,7 @@ def test_every_method_is_warmed_up_before_timing_and_decode_time_leaves_the_pref
 
     def peer(prompt, generator):
         calls.append(len(prompt))
-        return plain_decode(model, prompt, 8, None)
+        return plain_decode(model, prompt, 8, ())
 
     m = evaluate_set(model, tok, _known(truth, len(tok), 2), [Prompt("test", 0, "Tell me about your weekend")], 8,
                      1e-4, peers={"plain_again": peer})
@@ -176,8 +176,8 @@ def test_plain_decoding_records_the_logits_resolution_in_their_dtype(tiny):
     import copy
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "hello"))
-    f32 = plain_decode(model, ids, 3, None)
-    bf16 = plain_decode(copy.deepcopy(model).to(torch.bfloat16), ids, 3, None)
+    f32 = plain_decode(model, ids, 3, ())
+    bf16 = plain_decode(copy.deepcopy(model).to(torch.bfloat16), ids, 3, ())
     ratio = torch.finfo(torch.bfloat16).eps / torch.finfo(torch.float32).eps
     assert bf16.logit_steps[0] / f32.logit_steps[0] == pytest.approx(ratio, rel=0.05)
 

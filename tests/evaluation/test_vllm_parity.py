@@ -54,7 +54,7 @@ def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(
     drafter = _Oracle(model)
     ours = our_side(model, tokenizer, drafter, prompts, 12)
     steps = [n for ids in prompts for n in
-             speculative_decode(model, drafter, torch.tensor(ids), 12, tokenizer.eos_token_id).accepted_per_step]
+             speculative_decode(model, drafter, torch.tensor(ids), 12, {tokenizer.eos_token_id}).accepted_per_step]
     assert ours["metrics"] == {"drafts": len(steps), "accepted": sum(steps),
                                "accepted_per_pos": [sum(n > i for n in steps) for i in range(3)]}
     assert ours["metrics"]["accepted"] > 0

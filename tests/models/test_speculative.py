@@ -28,8 +28,8 @@ def test_speculative_greedy_equals_plain_greedy_with_a_random_drafter(tiny, seed
     model, tok = tiny
     torch.manual_seed(seed)
     ids = _prompt(tok)
-    plain = plain_decode(model, ids, 40, eos_id=None)
-    spec = speculative_decode(model, RandomDrafter(len(tok)), ids, 40, eos_id=None)
+    plain = plain_decode(model, ids, 40, stop=())
+    spec = speculative_decode(model, RandomDrafter(len(tok)), ids, 40, stop=())
     assert spec.tokens == plain.tokens
     assert len(plain.tokens) == 40 and plain.target_forwards == 40
 
@@ -43,14 +43,14 @@ def test_speculative_greedy_equals_plain_greedy_with_trained_like_heads(tiny):
     drafter = MedusaDrafter(heads, model.get_output_embeddings())
     for text in ("hello there", "def add(a, b):", "what is the weather like today where you live?"):
         ids = _prompt(tok, text)
-        assert speculative_decode(model, drafter, ids, 32, tok.eos_token_id).tokens == \
-            plain_decode(model, ids, 32, tok.eos_token_id).tokens
+        assert speculative_decode(model, drafter, ids, 32, {tok.eos_token_id}).tokens == \
+            plain_decode(model, ids, 32, {tok.eos_token_id}).tokens
 
 
 def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
     model, tok = tiny
     ids = _prompt(tok)
-    truth = plain_decode(model, ids, 40, eos_id=None).tokens
+    truth = plain_decode(model, ids, 40, stop=()).tokens
 
     class Oracle(StubDrafter):
         """Knows the target's greedy continuation; if all is accepted, step s starts at token 1 + 5 s."""
@@ -61,10 +61,10 @@ def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
             self.calls += 1
             return torch.nn.functional.one_hot(torch.tensor(truth[start:start + 4]), len(tok)).float()
 
-    spec = speculative_decode(model, Oracle(), ids, 31, eos_id=None)
+    spec = speculative_decode(model, Oracle(), ids, 31, stop=())
     assert spec.tokens == truth[:31]
     assert spec.accepted_per_step == [4] * 6 and spec.target_forwards == 7
-    m = summarize([plain_decode(model, ids, 31, None)], [spec], 4, 31, [])
+    m = summarize([plain_decode(model, ids, 31, ())], [spec], 4, 31, [])
     assert m["acceptance_rate_per_position"] == [1.0] * 4
     assert m["acceptance_length"] == 5.0 and m["greedy_match"] == 1.0
 
@@ -72,11 +72,11 @@ def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
 def test_eos_stops_both_decoders_at_the_same_token(tiny):
     model, tok = tiny
     ids = _prompt(tok)
-    plain = plain_decode(model, ids, 30, eos_id=None).tokens
+    plain = plain_decode(model, ids, 30, stop=()).tokens
     eos = plain[5]  # pretend the 6th greedy token is the end of turn
     torch.manual_seed(0)
-    spec = speculative_decode(model, RandomDrafter(len(tok)), ids, 30, eos_id=eos)
-    assert spec.tokens == plain_decode(model, ids, 30, eos_id=eos).tokens == plain[:plain.index(eos) + 1]
+    spec = speculative_decode(model, RandomDrafter(len(tok)), ids, 30, stop={eos})
+    assert spec.tokens == plain_decode(model, ids, 30, stop={eos}).tokens == plain[:plain.index(eos) + 1]
 
 
 def test_summary_counts_conditional_and_cumulative_acceptance():

@@ -194,10 +194,10 @@ def test_speculative_sampling_end_to_end_matches_the_target_joint_distribution(s
     joint = _exact_joint(model, prompt, sampling)
     gen = torch.Generator().manual_seed(3)
     drafter = _FixedDrafter(5)
-    assert not chi2_rejects(_pair_counts(lambda: speculative_decode(model, drafter, prompt, 2, None, sampling, gen),
+    assert not chi2_rejects(_pair_counts(lambda: speculative_decode(model, drafter, prompt, 2, (), sampling, gen),
                                          2500, 5), joint)
     # the baseline samples the same distribution (sanity of the helper itself)
-    assert not chi2_rejects(_pair_counts(lambda: plain_decode(model, prompt, 2, None, sampling, gen), 500, 5), joint)
+    assert not chi2_rejects(_pair_counts(lambda: plain_decode(model, prompt, 2, (), sampling, gen), 500, 5), joint)
 
 
 def test_prompt_lookup_sampling_matches_the_target_joint_distribution(small_vocab_model):
@@ -205,8 +205,8 @@ def test_prompt_lookup_sampling_matches_the_target_joint_distribution(small_voca
     lossless too, and a seeded generator reproduces it."""
     model, prompt, sampling = small_vocab_model, torch.tensor([1, 2, 3, 1, 2, 3, 1, 2]), Sampling(0.8, top_k=4)
     gen = torch.Generator().manual_seed(4)
-    counts = _pair_counts(lambda: prompt_lookup_decode(model, prompt, 2, None, 3, sampling, gen), 1500, 5)
+    counts = _pair_counts(lambda: prompt_lookup_decode(model, prompt, 2, (), 3, sampling, gen), 1500, 5)
     assert not chi2_rejects(counts, _exact_joint(model, prompt, sampling))
-    runs = [prompt_lookup_decode(model, prompt, 12, None, 3, sampling, torch.Generator().manual_seed(9)).tokens
+    runs = [prompt_lookup_decode(model, prompt, 12, (), 3, sampling, torch.Generator().manual_seed(9)).tokens
             for _ in range(2)]
     assert runs[0] == runs[1]

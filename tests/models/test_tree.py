@@ -39,8 +39,8 @@ def test_greedy_tree_decoding_equals_plain_greedy(tiny, seed):
     tree = Tree.from_choices(CHOICES, drafter.gamma)
     for text in ("tell me about your weekend", "def add(a, b):"):
         ids = torch.tensor(prompt_ids(tok, text))
-        result = tree_decode(model, drafter, tree, ids, 40, tok.eos_token_id)
-        assert result.tokens == plain_decode(model, ids, 40, tok.eos_token_id).tokens
+        result = tree_decode(model, drafter, tree, ids, 40, {tok.eos_token_id})
+        assert result.tokens == plain_decode(model, ids, 40, {tok.eos_token_id}).tokens
         assert result.target_forwards <= len(result.tokens)
 
 
@@ -48,7 +48,7 @@ def test_an_oracle_tree_accepts_the_deepest_path(tiny):
     """A drafter whose rank-1 candidates are right (rank 0 wrong) must follow the (1, 1, 1, 1)-side path."""
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "hello"))
-    truth = plain_decode(model, ids, 40, None).tokens
+    truth = plain_decode(model, ids, 40, ()).tokens
 
     class Oracle(StubDrafter):
         gamma, calls = 4, 0
@@ -63,7 +63,7 @@ def test_an_oracle_tree_accepts_the_deepest_path(tiny):
             return logits
 
     tree = Tree.from_choices([(0,), (1,), (1, 0), (1, 1), (1, 1, 1), (1, 1, 1, 1)], 4)
-    result = tree_decode(model, Oracle(), tree, ids, 31, None)
+    result = tree_decode(model, Oracle(), tree, ids, 31, ())
     assert result.tokens == truth[:31] and result.accepted_per_step == [4] * 6
 
 
@@ -73,9 +73,9 @@ def test_typical_acceptance_thresholds(tiny):
     drafter = _drafter(model, 0)
     tree = Tree.from_choices(CHOICES, 4)
     ids = torch.tensor(prompt_ids(tok, "tell me about your weekend"))
-    everything = tree_decode(model, drafter, tree, ids, 40, None, TypicalAcceptance(epsilon=0.0, delta=0.0))
+    everything = tree_decode(model, drafter, tree, ids, 40, (), TypicalAcceptance(epsilon=0.0, delta=0.0))
     assert everything.accepted_per_step[:-1] == [4] * (len(everything.accepted_per_step) - 1)
-    nothing = tree_decode(model, drafter, tree, ids, 40, None, TypicalAcceptance(epsilon=1.0, delta=1e9))
+    nothing = tree_decode(model, drafter, tree, ids, 40, (), TypicalAcceptance(epsilon=1.0, delta=1e9))
     assert set(nothing.accepted_per_step) == {0} and len(nothing.tokens) == 40
 
 

@@ -34,8 +34,6 @@ class DFlashConfig:
     """Explicit target layer ids; id i is the output of decoder layer i (0-based)."""
     mask_token_id: int | None = None
     """Token at block positions 1..B-1; default: the tokenizer's mask, reserved or a spare special token."""
-    qk_norm: bool = True
-    """Per-head q/k RMSNorm in every draft layer, as vLLM and SGLang always build them."""
     max_anchors: int = 512
     """Blocks trained per sequence, anchors drawn at random among response tokens, every epoch anew."""
     loss_decay: float | None = None

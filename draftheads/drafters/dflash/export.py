@@ -3,11 +3,12 @@ DFLASH``) and z-lab's reference code load, with a strict loader.
 
 Layout (checked against vLLM's ``qwen3_dflash.py``/``dflash.py``, SGLang's ``models/dflash.py`` and
 ``speculative/dflash_utils.py``):
-- ``config.json``: ``architectures: ["DFlashDraftModel"]``, the target family's ``model_type``, ``block_size``,
+- ``config.json``: ``architectures: ["DFlashDraftModel"]``, ``model_type: qwen3`` (the layers vLLM and SGLang
+  build for any target), ``block_size``,
   ``num_target_layers``, ``dflash_config: {mask_token_id, target_layer_ids}`` and the decoder fields
   (``num_hidden_layers`` = draft depth, ``vocab_size`` = the target's).
 - ``model.safetensors``: ``fc.weight`` ``[D, K*D]``, ``hidden_norm.weight``, ``norm.weight``,
-  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight`` (+ ``q_norm``/``k_norm``), ``layers.{i}.mlp.{gate,up,down}_proj
+  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj
   .weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``; no ``model.`` prefix (vLLM adds one), no
   embedding or LM head (both servers then share the target's).
 
@@ -26,12 +27,11 @@ from transformers import AutoConfig, PreTrainedModel
 
 from draftheads.drafters.dflash.model import DFlashDraftModel
 from draftheads.models.export import check_tensors
-from draftheads.models.target import decoder_layers
 
 WEIGHTS = "model.safetensors"
 
 
-def expected_shapes(config, qk_norm: bool) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the layout and its shape, from a draft config."""
     D, I = config.hidden_size, config.intermediate_size
     hd = getattr(config, "head_dim", None) or D // config.num_attention_heads
@@ -44,17 +44,9 @@ def expected_shapes(config, qk_norm: bool) -> dict[str, tuple[int, ...]]:
                    p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
                    p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
                    p + "mlp.down_proj.weight": (D, I),
-                   p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
-        if getattr(config, "attention_bias", False):
-            shapes |= {p + "self_attn.q_proj.bias": (H * hd,), p + "self_attn.k_proj.bias": (Hkv * hd,),
-                       p + "self_attn.v_proj.bias": (Hkv * hd,), p + "self_attn.o_proj.bias": (D,)}
-        if qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+                   p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                   p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes
-
-
-def _has_qk_norm(model: DFlashDraftModel) -> bool:
-    return hasattr(model.layers[0].self_attn, "q_norm")
 
 
 def server_config(model: DFlashDraftModel) -> dict:
@@ -64,7 +56,7 @@ def server_config(model: DFlashDraftModel) -> dict:
     for key in ("_name_or_path", "transformers_version", "quantization_config", "auto_map"):
         config.pop(key, None)
     rope = config.get("rope_parameters") or {}
-    config |= {"architectures": ["DFlashDraftModel"], "model_type": c.model_type, "block_size": model.block_size,
+    config |= {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "block_size": model.block_size,
                "num_target_layers": c.num_target_layers,
                "dflash_config": {"mask_token_id": model.mask_token_id,
                                  "target_layer_ids": list(model.target_layer_ids)},
@@ -83,7 +75,7 @@ def export_dflash(model: DFlashDraftModel, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    check_tensors(tensors, expected_shapes(model.config, _has_qk_norm(model)), out / WEIGHTS)
+    check_tensors(tensors, expected_shapes(model.config), out / WEIGHTS)
     tmp = out / (WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / WEIGHTS)
@@ -110,11 +102,8 @@ def load_dflash(path: str | Path, target: PreTrainedModel) -> DFlashDraftModel:
             raise ValueError(f"{path / 'config.json'}: missing field {key!r}; not a DFlash draft config")
     config = AutoConfig.from_pretrained(path)
     tensors = load_file(str(path / WEIGHTS))
-    qk_norm = "layers.0.self_attn.q_norm.weight" in tensors
-    check_tensors(tensors, expected_shapes(config, qk_norm), path / WEIGHTS)
-    layer = decoder_layers(target)[0]
-    model = DFlashDraftModel(config, type(layer), type(target.base_model.norm), type(target.base_model.rotary_emb),
-                             target.get_input_embeddings(), target.get_output_embeddings(), qk_norm)
+    check_tensors(tensors, expected_shapes(config), path / WEIGHTS)
+    model = DFlashDraftModel(config, target.get_input_embeddings().weight, target.get_output_embeddings())
     model.check_target(target.config, where=str(path))
     model.load_state_dict(tensors, strict=True)
     return model.to(device=next(target.parameters()).device, dtype=tensors["fc.weight"].dtype).eval()

@@ -4,32 +4,32 @@ authors' ``z-lab/dflash`` load it.
 
 - Target features: the outputs of K target decoder layers (``target_layer_ids``), concatenated
   ``[.., K*D]``, projected by ``fc`` (bias-free ``K*D -> D``) and normalised by ``hidden_norm``.
-- Draft layers: N decoder layers of the target's family and width. The fused features of every context
+- Draft layers: N Qwen3 decoder layers (per-head ``q_norm``/``k_norm``, SiLU MLP) of the target's width,
+  whatever the target's family: what vLLM (``qwen3_dflash.py``, ``DFlashQwen3DecoderLayer``), SGLang and z-lab
+  build for a ``DFlashDraftModel``, so an export loads there for any target. The fused features of every context
   token become extra keys/values of every layer through that layer's own ``k_proj``/``v_proj`` (then
   ``k_norm`` and RoPE at their absolute positions); no ``input_layernorm`` on them. Queries come from the
   block only.
 - Block of S = block_size tokens at positions ``a..a+S-1`` (B stays the batch size): position 0 holds the last
   verified token (the anchor a), 1..S-1 the mask token. Attention inside a block is bidirectional; a block sees context strictly before its anchor.
   Output: ``norm`` then the target's LM head; positions 1..S-1 propose tokens ``a+1..a+S-1``.
-- Token embedding and LM head are the target's, frozen and never saved.
-
-vLLM and SGLang build every draft layer with per-head ``q_norm``/``k_norm`` (Qwen3 style), whatever the
-target's family; ``qk_norm=True`` (the default) adds them to families without them so exports load there.
+- Token embedding and LM head are the target's, frozen and never saved. The embedding is the raw table
+  lookup: vLLM shares the target's ``embed_tokens`` module with the drafter, and a family that scales its
+  embeddings (Gemma: ``sqrt(D)``) does so outside that module (vLLM ``gemma3.py``: ``embed_input_ids``), so the
+  drafter never sees the scale.
 """
 
 from __future__ import annotations
 
-import copy
-import importlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config
+from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
-from draftheads.models.target import decoder_layers
 
 
 def _flex_attention(*args, **kwargs):
@@ -86,17 +86,22 @@ def choose_mask_token(tokenizer: PreTrainedTokenizerBase, vocab_size: int, confi
     return int(configured)
 
 
-def _rms_norm_class(target: PreTrainedModel) -> type[nn.Module]:
-    return type(target.base_model.norm)
-
-
-def draft_config(target_config, num_layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int):
-    """The draft model's transformers config: the target's, with ``num_layers`` layers and DFlash's fields."""
-    config = copy.deepcopy(target_config)
-    config.num_target_layers = target_config.num_hidden_layers
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = ["full_attention"] * num_layers
+def draft_config(target_config, num_layers: int, block_size: int, target_layer_ids: list[int],
+                 mask_token_id: int) -> Qwen3Config:
+    """The draft model's config: a Qwen3 config of the target's width (hidden, heads, KV heads, head_dim, MLP,
+    RMSNorm eps, the RoPE of its full-attention layers, vocabulary), ``num_layers`` deep, plus DFlash's
+    fields."""
+    t = target_config.get_text_config(decoder=True)
+    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
+    config = Qwen3Config(
+        vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=t.num_attention_heads,
+        num_key_value_heads=t.num_key_value_heads,
+        head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+        max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps,
+        rope_parameters=dict(rope.get("full_attention", rope)), attention_bias=False, tie_word_embeddings=False,
+        initializer_range=getattr(t, "initializer_range", 0.02))
+    config.num_target_layers = t.num_hidden_layers
     config.block_size = block_size
     config.dflash_config = {"mask_token_id": mask_token_id, "target_layer_ids": list(target_layer_ids)}
     config.architectures = ["DFlashDraftModel"]
@@ -104,19 +109,17 @@ def draft_config(target_config, num_layers: int, block_size: int, target_layer_i
 
 
 class DFlashDraftModel(nn.Module):
-    """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers.{i}`` (the target family's decoder layers),
-    ``norm``; the target's embedding and LM head are held, frozen and unregistered.
+    """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers.{i}`` (Qwen3 decoder layers), ``norm``; the
+    target's embedding table and LM head are held, frozen and unregistered.
 
     Args:
         config: from :func:`draft_config` (``block_size``, ``dflash_config``, decoder sizes).
-        layer_class, norm_class, rotary_class: the target family's decoder layer, RMSNorm and rotary embedding.
-        embed_tokens, lm_head: the target's ``[V, D]`` input embedding and LM head.
-        qk_norm: give every layer per-head ``q_norm``/``k_norm`` (RMSNorm over head_dim) when its family has none.
+        embed_weight: the target's ``[V, D]`` input embedding table (the drafter looks tokens up in it).
+        lm_head: the target's LM head, ``[.., D] -> [.., V]``.
     Raises ``ValueError`` when the feature layer ids are outside the target's layers.
     """
 
-    def __init__(self, config, layer_class, norm_class, rotary_class, embed_tokens: nn.Module, lm_head: nn.Module,
-                 qk_norm: bool = True):
+    def __init__(self, config, embed_weight: torch.Tensor, lm_head: nn.Module):
         super().__init__()
         self.config = config
         D = config.hidden_size
@@ -130,17 +133,12 @@ class DFlashDraftModel(nn.Module):
         if self.block_size < 2:
             raise ValueError(f"dflash.block_size={self.block_size} must be >= 2 (the anchor plus drafts)")
         self.fc = nn.Linear(len(self.target_layer_ids) * D, D, bias=False)
-        self.hidden_norm = norm_class(D, eps=config.rms_norm_eps)
-        self.layers = nn.ModuleList(layer_class(config, layer_idx=i) for i in range(config.num_hidden_layers))
-        self.norm = norm_class(D, eps=config.rms_norm_eps)
-        self.rotary_emb = rotary_class(config=config)
-        for layer in self.layers:
-            attn = layer.self_attn
-            if qk_norm and not hasattr(attn, "q_norm"):
-                attn.q_norm = norm_class(attn.head_dim, eps=config.rms_norm_eps)
-                attn.k_norm = norm_class(attn.head_dim, eps=config.rms_norm_eps)
-        self._rope = importlib.import_module(layer_class.__module__).apply_rotary_pos_emb
-        self.frozen = (embed_tokens, lm_head)  # a tuple hides them from registration: not trained, not saved
+        self.hidden_norm = qwen3.Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(qwen3.Qwen3DecoderLayer(config, layer_idx=i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = qwen3.Qwen3RMSNorm(D, eps=config.rms_norm_eps)
+        self.rotary_emb = qwen3.Qwen3RotaryEmbedding(config=config)
+        self.frozen = (embed_weight, lm_head)  # a tuple hides them from registration: not trained, not saved
         self.attention = "flex" if torch.cuda.is_available() else "sdpa"
         """Training attention: ``flex`` (flex_attention with a block-sparse mask; compiled on GPUs) or ``sdpa``
         (a dense boolean mask; what CPUs run)."""
@@ -148,14 +146,12 @@ class DFlashDraftModel(nn.Module):
 
     @classmethod
     def for_target(cls, target: PreTrainedModel, num_layers: int, block_size: int, target_layer_ids: list[int],
-                   mask_token_id: int, qk_norm: bool = True) -> "DFlashDraftModel":
-        """A fresh drafter in ``target``'s family and width (dtype float32, on ``target``'s device): linear
-        weights ~ N(0, initializer_range), norms at one (copying the target's final norm measured worse: its
-        weights fit the target's last hidden states, and the first losses on SmolLM2 rose from ~30 to ~100)."""
+                   mask_token_id: int) -> "DFlashDraftModel":
+        """A fresh drafter of ``target``'s width (dtype float32, on ``target``'s device): linear weights
+        ~ N(0, initializer_range), norms at one (copying the target's final norm measured worse: its weights fit
+        the target's last hidden states, and the first losses on SmolLM2 rose from ~30 to ~100)."""
         config = draft_config(target.config, num_layers, block_size, target_layer_ids, mask_token_id)
-        layer = decoder_layers(target)[0]
-        model = cls(config, type(layer), _rms_norm_class(target), type(target.base_model.rotary_emb),
-                    target.get_input_embeddings(), target.get_output_embeddings(), qk_norm)
+        model = cls(config, target.get_input_embeddings().weight, target.get_output_embeddings())
         return model.to(next(target.parameters()).device)
 
     def _init_weights(self, std: float) -> None:
@@ -192,9 +188,8 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             attn = layer.self_attn
             k = self._heads(attn, attn.k_proj, fused)
-            if hasattr(attn, "k_norm"):
-                k = attn.k_norm(k)
-            k = self._rope(k.transpose(1, 2), k.transpose(1, 2), cos, sin)[0]
+            k = attn.k_norm(k)
+            k = qwen3.apply_rotary_pos_emb(k.transpose(1, 2), k.transpose(1, 2), cos, sin)[0]
             kv.append((k, self._heads(attn, attn.v_proj, fused).transpose(1, 2)))
         return kv
 
@@ -212,15 +207,14 @@ class DFlashDraftModel(nn.Module):
         Returns:
             ``[B, Q, D]`` hidden states after the final ``norm`` (the LM head's input).
         """
-        x = self.frozen[0](block_ids).to(self.fc.weight.dtype)
+        x = F.embedding(block_ids, self.frozen[0]).to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(x, positions)
         for layer, (ctx_k, ctx_v) in zip(self.layers, context):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = (self._heads(attn, p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            if hasattr(attn, "q_norm"):
-                q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = self._rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+            q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k = qwen3.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
             k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
             v = torch.cat([ctx_v.to(k.dtype), v.transpose(1, 2)], dim=2)
             if isinstance(mask, BlockMask):

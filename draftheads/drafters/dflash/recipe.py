@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.dflash.config import DFlashRunConfig, Features
 from draftheads.drafters.dflash.export import export_dflash, load_dflash
 from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, default_decay,
@@ -61,7 +62,7 @@ class DFlash:
         d = conf.dflash
         mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
         drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, list(self.state_layers(conf, target)),
-                                              mask, d.qk_norm)
+                                              mask)
         if d.attention != "auto":
             drafter.attention = d.attention.value
         return drafter
@@ -117,8 +118,8 @@ class DFlash:
         if d.denoise_steps <= 1 or not sampling.greedy:
             return {}
         denoiser = DFlashDrafter(trained.model, d.denoise_steps, d.denoise_confidence)
-        eos, n = tokenizer.eos_token_id, conf.eval.max_new_tokens
-        return {denoiser.name: lambda ids, gen: speculative_decode(target, denoiser, ids, n, eos, sampling, gen)}
+        stop, n = stop_token_ids(tokenizer, target.generation_config), conf.eval.max_new_tokens
+        return {denoiser.name: lambda ids, gen: speculative_decode(target, denoiser, ids, n, stop, sampling, gen)}
 
     def vllm_config(self, run_dir: Path, trained: Trained) -> dict:
         return {"method": "dflash", "model": str((Path(run_dir) / self.vllm_weights).resolve()),

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.medusa.config import MedusaRunConfig
 from draftheads.drafters.medusa.export import (export_tgi_medusa, export_vllm_medusa, load_any_heads, load_heads,
                                                save_heads)
@@ -127,11 +128,12 @@ class Medusa:
         if not t.enabled:
             return {}
         tree = medusa_tree(t, trained.model.num_heads, trained.saved.get("head_rank_accuracy"))
-        drafter, eos, n = self.chain(conf, trained, target), tokenizer.eos_token_id, conf.eval.max_new_tokens
+        drafter, n = self.chain(conf, trained, target), conf.eval.max_new_tokens
+        stop = stop_token_ids(tokenizer, target.generation_config)
         typical = (TypicalAcceptance(t.typical_epsilon, t.typical_delta, sampling.temperature or 0.7)
                    if t.typical or not sampling.greedy else None)
         return {"medusa_tree_typical" if typical else "medusa_tree":
-                lambda ids, gen: tree_decode(target, drafter, tree, ids, n, eos, typical)}
+                lambda ids, gen: tree_decode(target, drafter, tree, ids, n, stop, typical)}
 
     def vllm_config(self, run_dir: Path, trained: Trained) -> dict:
         return {"method": "medusa", "model": str((Path(run_dir) / self.vllm_weights).resolve()),

@@ -1,0 +1,153 @@
+"""Family conformance suite: a tiny random target of every family people serve (``draftheads.models.tiny``:
+each family's architecture with its sliding window and tied or untied embeddings, its real chat template and its
+real ``generation_config`` quirks), through every path: the stop set, loss masks, regeneration, both drafters'
+jobs (a few steps), the evaluator (chain, tree, DFlash, prompt lookup) past the sliding window, and strict
+exports read back. A new family is one ``FAMILIES`` entry plus its end-of-turn token in ``TURN_END``."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from draftheads import drafters
+from draftheads.data.conversations import Chat
+from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, prompt_ids
+from draftheads.data.templates import chat_tokens, stop_token_ids
+from draftheads.drafters.medusa.export import load_tgi_medusa
+from draftheads.evaluation.methods import load_eval_sets
+from draftheads.jobs.runs import open_run
+from draftheads.models.speculative import plain_decode
+from draftheads.models.target import TargetSpec, load_target
+from draftheads.models.tiny import FAMILIES
+from draftheads.packaged import chitchat_conversations
+from draftheads.training.config import to_schema
+from tests.helpers import run_dflash, run_medusa, smoke
+
+TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
+            "mistral": "</s>", "phi3": "<|end|>"}
+"""The token each family's chat template closes an assistant turn with (not always the tokenizer's eos)."""
+OWN_OVERRIDES = {("mistral", "dflash"): ["dflash.mask_token_id=0"]}
+"""Mistral v0.1's tokenizer has no spare special token for DFlash's mask: <unk> (id 0), which it never generates."""
+JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_tokens=24",
+       "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}, {name: humaneval, source: humaneval, "
+       "num_prompts: 1}]"]
+
+
+def test_every_family_is_in_the_suite():
+    assert TURN_END.keys() == FAMILIES.keys()
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, cache_dir):
+    """``(name, model, tokenizer)`` of one family's tiny target."""
+    model, tokenizer, _ = load_target(TargetSpec(name_or_path=f"tiny://{request.param}"), cache_dir)
+    return request.param, model, tokenizer
+
+
+def test_stop_set_holds_eos_every_generation_config_eos_and_the_turn_end(family):
+    name, model, tokenizer = family
+    stop = stop_token_ids(tokenizer, model.generation_config)
+    listed = model.generation_config.eos_token_id
+    listed = set(listed) if isinstance(listed, list) else {listed}
+    assert stop == listed | {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(TURN_END[name])}
+
+
+def test_trained_span_is_each_answer_plus_exactly_one_turn_end(family):
+    name, _, tokenizer = family
+    chat = [{"role": "user", "content": "Hi there, how are you?"}, {"role": "assistant", "content": "Fine thanks."},
+            {"role": "user", "content": "And you?"}, {"role": "assistant", "content": "Good."}]
+    ids, mask = chat_tokens(tokenizer, chat)
+    trained = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+    end = TURN_END[name]
+    # Qwen3 renders the turn after the last user query with its (empty) reasoning block: the target writes it
+    assert trained.replace("<think>\n\n</think>\n\n", "") == f"Fine thanks.{end}Good.{end}"
+
+
+def likely(model, tokenizer, token_id: int, prompts: list[list[int]], share: float = 0.25):
+    """A copy of ``model`` whose greedy answers to ``prompts`` pick ``token_id`` at about ``share`` of their
+    positions (its LM-head row moved along the mean hidden state there), so random targets end answers with it."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        states = []
+        for ids in prompts:
+            answer = plain_decode(model, torch.tensor(ids), 16, ()).tokens
+            states.append(model.base_model(torch.tensor([ids + answer])).last_hidden_state[0, len(ids) - 1:])
+        h = torch.cat(states)
+        head = model.get_output_embeddings().weight
+        logits = model.get_output_embeddings()(h)
+        u = h.mean(0) / h.mean(0).norm()
+        reach = h @ u
+        need = (logits.max(-1).values - logits[:, token_id])[reach > 0] / reach[reach > 0]
+        head[token_id] += need.quantile(share) * u
+    return model
+
+
+def test_regeneration_is_the_plain_greedy_answer_through_the_first_stop(family):
+    """The turn end that is not eos stops regeneration and plain decoding alike; the target's decoding defaults
+    (sampling, a repetition penalty) reach neither; the row trains exactly the generated ids plus one turn end."""
+    name, model, tokenizer = family
+    turn_end = tokenizer.convert_tokens_to_ids(TURN_END[name])
+    chats = [Chat("chitchat", i, ({"role": "user", "content": c.messages[0]},))
+             for i, c in enumerate(chitchat_conversations()[:5])]
+    model = likely(model, tokenizer, turn_end, [prompt_ids(tokenizer, c.messages) for c in chats])
+    stop = stop_token_ids(tokenizer, model.generation_config)
+    answered = answer_turns(TransformersBackend(model, tokenizer, GenerationSettings(max_new_tokens=16)), chats)
+    finished = 0
+    for chat, result in zip(chats, answered):
+        plain = plain_decode(model, torch.tensor(prompt_ids(tokenizer, chat.messages)), 16, stop).tokens
+        answer = result.messages[-1]
+        ends = plain[-1] in stop
+        finished += ends
+        assert answer["token_ids"] == (plain[:-1] if ends else plain)
+        assert (1 in result.unfinished) == (not ends)
+        ids, mask = chat_tokens(tokenizer, result.messages, unfinished=frozenset(result.unfinished))
+        trained = [i for i, m in zip(ids, mask) if m]
+        if name == "qwen3" and tokenizer.decode(trained).startswith("<think>\n\n</think>\n\n"):
+            # Qwen3's template puts an empty reasoning block before a last answer that has none: the template's
+            # tokens are kept there (what the template renders is not what this random target wrote)
+            assert tokenizer.decode(trained) == "<think>\n\n</think>\n\n" + tokenizer.decode(
+                answer["token_ids"]).lstrip("\n") + (TURN_END[name] if ends else "")
+        else:
+            assert trained == answer["token_ids"] + ([turn_end] if ends else [])
+    assert finished >= 2  # the stop really ended answers
+
+
+@pytest.fixture(scope="module")
+def jobs(family, tmp_path_factory, cache_dir):
+    """The Medusa job (both stages) and the DFlash job on one family's target: ``{drafter: (folder, report)}``."""
+    name = family[0]
+    out = {}
+    for drafter, run, own in (("medusa", run_medusa, ["stage1.epochs=2", "stage2.epochs=1",
+                                                      "stage2.unfreeze_last_n_layers=1"]),
+                              ("dflash", run_dflash, ["train.epochs=2", "eval.peer_runs=[]"])):
+        folder = tmp_path_factory.mktemp(f"{name}-{drafter}")
+        out[drafter] = folder, run(smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}", *JOB,
+                                         *own, *OWN_OVERRIDES.get((name, drafter), [])))
+    return out
+
+
+def test_both_drafters_train_and_decode_losslessly_past_the_window(family, jobs):
+    _, model, tokenizer = family
+    window = getattr(model.config, "sliding_window", None)
+    if window:  # every evaluated sequence runs past the window
+        prompts = [p for ps in load_eval_sets(to_schema(smoke("medusa", "x", "y", *JOB)).eval).values() for p in ps]
+        assert min(len(prompt_ids(tokenizer, p.text)) for p in prompts) > window
+    for drafter, (_, report) in jobs.items():
+        curve = next(iter(report["train_curves"].values()))
+        assert all(torch.isfinite(torch.tensor(list(h.values()))).all() for h in curve)
+        for set_name, metrics in report["eval"].items():
+            methods = {metrics["method"]: metrics, **metrics.get("peers", {})}
+            assert len(methods) >= 2
+            for method, m in methods.items():
+                assert m["greedy_match"] == 1.0, (drafter, set_name, method, m.get("mismatches"))
+            assert set(metrics["decoding"]["stop_token_ids"]) == stop_token_ids(tokenizer, model.generation_config)
+
+
+def test_exports_load_back_strictly(family, jobs):
+    for drafter, (folder, report) in jobs.items():
+        run = open_run(folder, [], drafters.get(drafter).vllm_weights)  # the strict loaders of the vLLM export
+        assert run.trained.model is not None
+        assert json.loads((folder / "report.json").read_text())["eval"].keys() == report["eval"].keys()
+    heads = load_tgi_medusa(jobs["medusa"][0] / "export" / "tgi")
+    assert heads.vocab_size == len(family[2])
