@@ -6,7 +6,8 @@ given prompt token ids with a draftheads export, through vLLM's offline ``LLM`` 
 
 Imports nothing from draftheads (that environment has vLLM's pinned transformers, not ours). ``job.json``:
 ``mode`` (offline | serve), ``target``, ``speculative_config``, ``prompts`` (token id lists), ``messages`` (the
-same prompts as chats, for serve), ``max_tokens``, ``stop_token_ids`` (the target's stop set), ``port``.
+same prompts as chats, for serve), ``max_tokens``, ``stop_token_ids`` (the target's stop set), ``chat_template``
+(the run's, for serve), ``port``.
 ``result.json``: ``outputs`` (token ids; serve: texts) and ``metrics`` (drafts, draft tokens, accepted tokens,
 accepted per position).
 """
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 # generation_config="vllm": the target's generation_config.json decoding defaults stay out, as in every path of
@@ -52,6 +54,10 @@ def serve(job: dict) -> dict:
            "--served-model-name", "draft", "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
            "--generation-config", "vllm",
            "--host", "127.0.0.1", "--port", str(port), "--speculative-config", json.dumps(job["speculative_config"])]
+    if job.get("chat_template"):  # the run's template (model.chat_template), which the target's folder may lack
+        template = Path(job["result_dir"]) / "chat_template.jinja"
+        template.write_text(job["chat_template"])
+        cmd += ["--chat-template", str(template)]
     server = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     try:
         base = f"http://127.0.0.1:{port}"
@@ -100,6 +106,6 @@ def parse_prometheus(text: str) -> dict:
 
 
 if __name__ == "__main__":
-    job = json.load(open(sys.argv[1]))
+    job = json.load(open(sys.argv[1])) | {"result_dir": str(Path(sys.argv[2]).parent)}
     result = offline(job) if job["mode"] == "offline" else serve(job)
     json.dump(result, open(sys.argv[2], "w"))

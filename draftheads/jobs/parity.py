@@ -35,7 +35,8 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
         ours = our_side(run.target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)
         job = {"target": str(run.target_path), "speculative_config": spec, "prompts": ids, "max_tokens":
                eval_cfg.max_new_tokens, "messages": [[{"role": "user", "content": p.text}] for p in prompts],
-               "port": 8011, "stop_token_ids": sorted(stop_token_ids(tokenizer, run.target.generation_config))}
+               "port": 8011, "stop_token_ids": sorted(stop_token_ids(tokenizer, run.target.generation_config)),
+               "chat_template": tokenizer.chat_template}
         rows.append({"mode": "offline", **compare(name, ours, run_vllm(python, {**job, "mode": "offline"}))})
         if serve:
             served = run_vllm(python, {**job, "mode": "serve"})

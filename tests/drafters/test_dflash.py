@@ -286,3 +286,16 @@ def test_flex_attention_mask_trains_the_same_blocks_as_the_dense_mask(tiny, draf
     with torch.no_grad():
         torch.testing.assert_close(flex(features, ids, attention, anchors), drafter(features, ids, attention, anchors),
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_the_drafter_is_built_as_vllm_builds_it_for_any_target(cache_dir):
+    """Qwen3 layers (q_norm/k_norm) whatever the target's family, and the target's raw embedding table: vLLM
+    shares the target's embed_tokens module, and Gemma scales its embeddings outside it (vLLM gemma3.py)."""
+    from draftheads.models.target import TargetSpec, load_target
+    model, tok, _ = load_target(TargetSpec(name_or_path="tiny://gemma3"), cache_dir)
+    drafter = DFlashDraftModel.for_target(model, 1, 4, [1, 3], tok.mask_token_id)
+    assert type(drafter.layers[0]).__name__ == "Qwen3DecoderLayer" and drafter.config.model_type == "qwen3"
+    ids = torch.tensor([[5, 6, 7]])
+    table = model.get_input_embeddings().weight
+    assert drafter.frozen[0] is table
+    torch.testing.assert_close(model.get_input_embeddings()(ids), table[ids] * model.config.hidden_size ** 0.5)
