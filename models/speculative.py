@@ -20,6 +20,7 @@ Batch size 1, as in the papers' latency numbers.
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -136,12 +137,20 @@ def new_cache() -> DynamicCache:
     return DynamicCache()
 
 
+def with_cache(target: PreTrainedModel, cache: DynamicCache) -> dict:
+    """The keyword that passes ``cache`` to ``target``'s base model: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (an unknown keyword is silently ignored: decoding would run without the cache)."""
+    forward = inspect.signature(type(target.base_model).forward).parameters
+    return {"cache" if "cache" in forward else "past_key_values": cache}
+
+
 def target_step(target: PreTrainedModel, ids: torch.Tensor, cache: DynamicCache,
              layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[n]`` new token ids through the target with its cache -> ``[n, D]`` last hidden states, and
     ``[n, K*D]`` outputs of decoder layers ``layer_ids`` (None when empty)."""
     with record_layer_outputs(target, layer_ids) as outputs:
-        hidden = target.base_model(input_ids=ids[None], cache=cache, use_cache=True).last_hidden_state[0]
+        hidden = target.base_model(input_ids=ids[None], use_cache=True,
+                                   **with_cache(target, cache)).last_hidden_state[0]
     features = torch.cat([outputs[i][0] for i in layer_ids], dim=-1) if layer_ids else None
     return hidden, features
 
@@ -253,7 +262,8 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         states, features = target_step(target, ids, cache, layer_ids)
         n, next_token = accept_chain(draft, q, lm_head(states).cpu(), sampling, generator)
         result.target_forwards += 1
-        cache.crop(-(len(draft) - n))  # x0 and the accepted drafts stay; rejected drafts leave the cache
+        if n < len(draft):  # x0 and the accepted drafts stay; rejected drafts leave the cache
+            cache.crop(-(len(draft) - n))  # (never crop(0): some 5.x releases read it as "keep 0 tokens")
         features = features[:n + 1] if features is not None else None  # the drafter's new context
         result.verify_seconds += time.perf_counter() - t_verify
         emitted = draft[:n].tolist() + [next_token]

@@ -17,7 +17,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from draftheads.models.decoding import cut_at_stop
-from draftheads.models.speculative import ChainDrafter, DecodeResult, new_cache, target_step
+from draftheads.models.speculative import ChainDrafter, DecodeResult, new_cache, target_step, with_cache
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,8 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         past = cache.get_seq_length()
         mask = tree_attention_mask(target.config, allow, past, depth, hidden.dtype)
         states = target.base_model(input_ids=tokens[None].to(device), attention_mask=mask,
-                                   position_ids=(past + depth)[None], cache=cache, use_cache=True).last_hidden_state[0]
+                                   position_ids=(past + depth)[None], use_cache=True,
+                                   **with_cache(target, cache)).last_hidden_state[0]
         logits = lm_head(states).cpu()
         result.target_forwards += 1
         best = _best(tree, *_accepted(tree, tokens, logits, typical))
