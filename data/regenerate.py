@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from collections.abc import Collection
 from typing import Callable, Protocol
 
 import torch

@@ -126,6 +126,9 @@ class DecodeResult:
     logit_steps: list[float] = field(default_factory=list)
     """Plain decoding only: the logits' resolution at each step, ``finfo(dtype).eps * |top-1 logit|`` (at least
     one step of the dtype there: 0.125 for a bf16 logit of 20): a smaller gap is a rounding tie."""
+    reference: list[int] | None = None
+    """A greedy method verified by another target than the evaluated one (a peer run's stage-2 target): that
+    target's own plain greedy tokens, which it must equal (None: the evaluated target's plain decoding)."""
 
 
 def new_cache() -> DynamicCache:

@@ -122,13 +122,15 @@ def _decode_ms_per_token(results: list[DecodeResult]) -> float | None:
 
 def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult]) -> dict:
     """A peer's acceptance (over its own gamma), tokens/s and speedup over the same baseline, decode time per
-    token, greedy agreement, and draft cost when the method reports steps."""
+    token, greedy agreement (with the plain decoding of the target that verifies it: ``DecodeResult.reference``),
+    and draft cost when the method reports steps."""
     tps = _tokens_per_second(peer)
     summary = {**acceptance(peer, max(r.gamma for r in peer)),
                "tokens_per_second": tps, "speedup": tps / _tokens_per_second(plain),
                "decode_ms_per_token": _decode_ms_per_token(peer),
                "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
-               "greedy_match": sum(a.tokens == b.tokens for a, b in zip(plain, peer)) / len(plain)}
+               "greedy_match": sum((b.reference if b.reference is not None else a.tokens) == b.tokens
+                                   for a, b in zip(plain, peer)) / len(plain)}
     if any(r.accepted_per_step for r in peer):
         summary |= _draft_cost(peer)
     return summary

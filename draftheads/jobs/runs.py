@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -13,7 +14,7 @@ from omegaconf import OmegaConf
 from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
-from draftheads.models.speculative import Sampling, speculative_decode
+from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import load_target, resolve_target_path
 from draftheads.training.job import TARGET_FILE
 from draftheads.training.recipe import Recipe, Trained
@@ -97,9 +98,10 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
     return peers, notes
 
 
-def peer_methods(conf, peers: list[PeerRun], tokenizer, sampling: Sampling, taken: set[str]) -> dict:
+def peer_methods(conf, peers: list[PeerRun], tokenizer, sampling: Sampling, taken: set[str], host) -> dict:
     """Every peer run's methods at ``sampling`` with this run's eval settings: its chain (by its drafter's
-    name) and its own peers; a name already ``taken`` gets ``@<run folder name>``."""
+    name) and its own peers; a name already ``taken`` gets ``@<run folder name>``. A peer verified by another
+    target than ``host`` (the evaluated one) is held, greedy, to that target's own plain decoding."""
     methods = {}
     n = conf.eval.max_new_tokens
     for peer in peers:
@@ -109,10 +111,22 @@ def peer_methods(conf, peers: list[PeerRun], tokenizer, sampling: Sampling, take
         own = {chain.name: lambda ids, gen, d=chain, t=target, s=stop: speculative_decode(t, d, ids, n, s, sampling,
                                                                                             gen)}
         own |= peer.recipe.peers(peer_conf, peer.trained, target, tokenizer, sampling)
+        if target is not host and sampling.greedy:
+            own = {name: _against(target, decode, n, stop) for name, decode in own.items()}
         for name, decode in own.items():
             key = name if name not in taken | methods.keys() else f"{name}@{peer.folder.name}"
             methods[key] = decode
     return methods
+
+
+def _against(target, decode, max_new_tokens: int, stop) -> Callable:
+    """``decode`` whose result carries ``target``'s plain greedy tokens as its ``reference`` (decoded after the
+    method, outside its timing)."""
+    def run(ids, gen):
+        result = decode(ids, gen)
+        result.reference = plain_decode(target, ids, max_new_tokens, stop).tokens
+        return result
+    return run
 
 
 def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, eval_sets: dict,
@@ -123,7 +137,7 @@ def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, 
 
     def peers_at(sampling: Sampling) -> dict:
         own = recipe.peers(conf, trained, target, tokenizer, sampling)
-        own |= peer_methods(conf, list(peers), tokenizer, sampling, {drafter.name, *own})
+        own |= peer_methods(conf, list(peers), tokenizer, sampling, {drafter.name, *own}, target)
         return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
 
     return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at)

@@ -9,10 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftheads.data.regenerate import prompt_ids
+from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.dflash.export import load_dflash
 from draftheads.jobs.evaluate import cli as evaluate_main
 from draftheads.jobs.export import cli as export_main
-from draftheads.jobs.runs import load_peer_runs
+from draftheads.jobs.runs import load_peer_runs, peer_methods
+from draftheads.models.speculative import Sampling, plain_decode
 from draftheads.models.target import TINY, TargetSpec, load_target
 from tests.helpers import cut_back, launch, run_dflash, run_medusa
 from tests.helpers import smoke as cfg
@@ -104,6 +107,16 @@ def test_a_stage_2_medusa_peer_is_verified_by_its_own_target(tmp_path, cache_dir
     assert peer.target is not model and "on its own target" in note and str(out / "export" / "target") in note
     changed = dict(peer.target.named_parameters())["model.layers.3.mlp.up_proj.weight"]
     assert not torch.equal(changed, dict(model.named_parameters())["model.layers.3.mlp.up_proj.weight"])
+    # greedy, its methods are held to its own target's plain decoding, not to the evaluated target's
+    _, tokenizer = tiny
+    chain = peer_methods(peer.conf, [peer], tokenizer, Sampling(), set(), model)["medusa_chain"]
+    ids = torch.tensor(prompt_ids(tokenizer, "Tell me about your weekend."))
+    result = chain(ids, None)
+    stop = stop_token_ids(tokenizer, peer.target.generation_config)
+    assert result.reference == plain_decode(peer.target, ids, peer.conf.eval.max_new_tokens, stop).tokens
+    assert result.tokens == result.reference
+    assert peer_methods(peer.conf, [peer], tokenizer, Sampling(), set(), peer.target)["medusa_chain"](
+        ids, None).reference is None  # served by the evaluated target: compared with its plain decoding
 
 
 def test_online_features_train_like_offline_ones(tiny):
