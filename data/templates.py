@@ -184,7 +184,9 @@ def _as_generated(tokenizer, messages: list[dict], assistant: list[int], ids: li
     regeneration) where they spell the same text up to surrounding whitespace (Gemma's template trims answers):
     what is trained is what the target generated after the generation prompt, not a re-encoding of its text (the
     two can split the same text differently). A turn the template renders otherwise (Qwen3 drops the reasoning
-    of earlier turns) keeps the template's tokens, which are what later turns were generated after."""
+    of earlier turns) keeps the template's tokens. Later turns were generated after the template's rendering of
+    the earlier ones, so where an earlier turn's ids and its re-encoding differ, their context differs by that
+    re-encoding."""
     out, spans, pos = [], [], 0
     for i, (a, b, cut) in zip(assistant, runs):
         body, generated = ids[a:b - cut], messages[i].get("token_ids")

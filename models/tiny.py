@@ -73,7 +73,8 @@ FAMILIES: dict[str, Family] = {
                     config={"head_dim": 16},
                     generation={"eos_token_id": ["<|im_end|>", "<|endoftext|>"], "do_sample": True,
                                 "temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.1}),
-    # Gemma 3: sliding-window layers (5 of every 6), <end_of_turn> is not eos, eos list, sampling defaults.
+    # Gemma 3: sliding-window and full layers (3:1 here, 5:1 in Gemma 3), <end_of_turn> is not eos, eos list,
+    # sampling defaults.
     "gemma3": Family("Gemma3TextConfig", ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>",
                                           "<end_of_turn>"), "<bos>", "<eos>", "<pad>", "gemma3", mask="<mask>",
                      config={"head_dim": 16, "sliding_window": "window", "query_pre_attn_scalar": 16,

@@ -93,7 +93,7 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
                 peers.append(PeerRun(folder, recipe, conf, recipe.load(folder, conf, target), target))
                 notes.append(f"{folder}: {recipe.name}, measured" + ("" if target is host_target else f" on its own "
                                                                       f"target {path}, the one it is served with"))
-            except (FileNotFoundError, ValueError) as e:
+            except (FileNotFoundError, ValueError, KeyError) as e:  # KeyError: a key this version no longer has
                 notes.append(f"{folder}: skipped ({e})")
     return peers, notes
 

@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from draftheads.drafters.medusa.export import load_heads, load_tgi_medusa, load_vllm_medusa
 from draftheads.jobs.evaluate import cli as evaluate_main
+from draftheads.models.target import TINY, TargetSpec, resolve_target_path
 from tests.helpers import SMOKE_STAGES, cut_back, launch, smoke
 from tests.helpers import run_medusa as run
 
@@ -62,7 +63,7 @@ def test_exports_reload_strictly_and_reproduce_the_heads(smoke_run):
 
 def test_stage2_changed_exactly_the_last_n_layers(smoke_run, cache_dir):
     out, _ = smoke_run
-    original = load_file(str(next((Path(cache_dir) / "models").glob("tiny-llama-*")) / "model.safetensors"))
+    original = load_file(str(Path(resolve_target_path(TargetSpec(name_or_path=TINY), cache_dir)) / "model.safetensors"))
     trained = load_file(str(out / "export" / "target" / "model.safetensors"))
     n_layers, unfrozen = 4, 2  # conf/model/tiny.yaml, SMOKE_STAGES
     for name, w in original.items():
