@@ -89,8 +89,8 @@ class ChainDrafter(Protocol):
     def start(self) -> None:
         """Forget the previous sequence (a new prompt begins)."""
 
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int,
-                     features: torch.Tensor | None) -> torch.Tensor:
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                     tokens: torch.Tensor | None) -> torch.Tensor:
         """Proposal logits ``[gamma, V]`` for the gamma tokens after ``last_token``.
 
         Args:
@@ -100,6 +100,9 @@ class ChainDrafter(Protocol):
             features: ``[m, K*D]`` outputs of ``target_layer_ids`` (concatenated in that order) for the m tokens
                 committed to the target's cache since the previous call (the prompt, then each step's verified
                 tokens); None when ``target_layer_ids`` is empty.
+            tokens: ``[m]`` int64 ids of those m committed tokens (row i of ``features`` is token i's; the
+                feature of the last one predicted ``last_token``); None where the caller drafts from the last
+                hidden state alone (tree verification).
         """
 
 
@@ -252,13 +255,13 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     drafter.start()
     cache = new_cache()
     states, features = target_step(target, prompt_ids, cache, layer_ids)
-    hidden = states[-1]
+    hidden, committed = states[-1], prompt_ids
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
     result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma, prefill_seconds=time.perf_counter() - start)
     result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
     while not done:
         t = time.perf_counter()
-        draft, q = propose(drafter.draft_logits(hidden, x0, features).float().cpu(), sampling, generator)
+        draft, q = propose(drafter.draft_logits(hidden, x0, features, committed).float().cpu(), sampling, generator)
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
         ids = torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)])
@@ -268,6 +271,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         if n < len(draft):  # x0 and the accepted drafts stay; rejected drafts leave the cache
             cache.crop(-(len(draft) - n))  # (never crop(0): some 5.x releases read it as "keep 0 tokens")
         features = features[:n + 1] if features is not None else None  # the drafter's new context
+        committed = ids[:n + 1]
         result.verify_seconds += time.perf_counter() - t_verify
         emitted = draft[:n].tolist() + [next_token]
         before = len(result.tokens)

@@ -200,6 +200,15 @@ def weights_sample(model: PreTrainedModel, count: int = 4096) -> str:
     return h.hexdigest()
 
 
+def full_attention_rope(config) -> dict:
+    """The RoPE parameters of a target's full-attention layers (a config with per-layer-type RoPE, as Gemma 3's
+    ``{"full_attention": .., "sliding_attention": ..}``, gives its full-attention entry): what a drafter of the
+    target's width rotates with."""
+    t = config.get_text_config(decoder=True)
+    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
+    return dict(rope.get("full_attention", rope))
+
+
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
 

@@ -207,7 +207,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
     while not done:
         t = time.perf_counter()
-        top = drafter.draft_logits(hidden, x0, None).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
+        top = drafter.draft_logits(hidden, x0, None, None).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
         tokens = torch.cat([torch.tensor([x0]), top[rows, ranks]])
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t

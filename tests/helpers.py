@@ -23,6 +23,7 @@ SMOKE_STAGES = ["stage1.epochs=4", "stage2.epochs=1", "stage2.unfreeze_last_n_la
 register_configs()
 run_medusa = partial(train, "medusa")
 run_dflash = partial(train, "dflash")
+run_eagle3 = partial(train, "eagle3")
 
 
 def smoke(job: str, output_dir, cache_dir, *overrides: str):

@@ -20,6 +20,7 @@ from draftheads.training.recipe import Recipe
 DRAFTERS = {
     "medusa": "draftheads.drafters.medusa.recipe:MEDUSA",
     "dflash": "draftheads.drafters.dflash.recipe:DFLASH",
+    "eagle3": "draftheads.drafters.eagle3.recipe:EAGLE3",
 }
 """Drafter name -> ``module:object`` of its recipe (imported on first use)."""
 

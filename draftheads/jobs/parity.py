@@ -28,7 +28,7 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = run.recipe.chain(run.conf, run.trained, run.target)
-    spec = run.recipe.vllm_config(run.folder, run.trained)
+    spec = run.recipe.vllm_config(run.folder, run.conf, run.trained)
     rows = []
     for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True)).items():
         ids = [prompt_ids(tokenizer, p.text) for p in prompts]

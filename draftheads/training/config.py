@@ -55,6 +55,13 @@ class HiddenStates(Choice):
     offline = "offline"
 
 
+class Features(Choice):
+    """When a drafter that reads target layers (DFlash, EAGLE-3) gets their outputs for training
+    (``<drafter>.features``)."""
+    precomputed = "precomputed"
+    online = "online"
+
+
 class MixedPrecision(Choice):
     """Autocast of training forwards (``trainer.mixed_precision``; in YAML write ``'no'`` quoted)."""
     bf16 = "bf16"

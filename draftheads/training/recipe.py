@@ -25,7 +25,7 @@ Decode = Callable
 class Trained:
     """A trained (or reloaded) drafter and what travels with it."""
     model: nn.Module
-    """The drafter (Medusa heads, a DFlash drafter), in the target's dtype once training is over."""
+    """The drafter (Medusa heads, a DFlash or EAGLE-3 drafter), in the target's dtype once training is over."""
     saved: dict = field(default_factory=dict)
     """JSON fields saved with the weights and read back with them (e.g. Medusa's ``head_rank_accuracy``, from
     which the default tree grows, and ``base_model``); never read from ``report.json``."""
@@ -88,5 +88,6 @@ class Recipe(Protocol):
     def peers(self, conf, trained: Trained, target, tokenizer, sampling: Sampling) -> dict[str, Decode]:
         """The drafter's other decoding methods at ``sampling`` (Medusa's tree, DFlash's denoising)."""
 
-    def vllm_config(self, run_dir: Path, trained: Trained) -> dict:
-        """vLLM's ``speculative_config`` for the export at ``vllm_weights``."""
+    def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
+        """vLLM's ``speculative_config`` for the export at ``vllm_weights``, decoding as ``conf`` says (the
+        draft length of a drafter that decodes autoregressively, EAGLE-3's ``gamma``)."""

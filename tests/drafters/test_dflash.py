@@ -112,9 +112,9 @@ def test_training_pass_and_cached_drafting_give_the_same_block_logits(tiny, draf
     for row, j in ((0, 1), (0, 2), (1, 1)):
         a = int(anchors[row, j])
         cached = DFlashDrafter(drafter)
-        cached.draft_logits(None, int(ids[row, 5]), features[row, :5])  # prompt, then verified chunks
-        cached.draft_logits(None, int(ids[row, a - 2]), features[row, 5:a - 2])
-        out = cached.draft_logits(None, int(ids[row, a]), features[row, a - 2:a])
+        cached.draft_logits(None, int(ids[row, 5]), features[row, :5], None)  # prompt, then verified chunks
+        cached.draft_logits(None, int(ids[row, a - 2]), features[row, 5:a - 2], None)
+        out = cached.draft_logits(None, int(ids[row, a]), features[row, a - 2:a], None)
         torch.testing.assert_close(out, packed[row, j, 1:], atol=1e-5, rtol=1e-4)
 
 

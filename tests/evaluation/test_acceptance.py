@@ -42,7 +42,7 @@ def _known(truth: list[int], vocab: int, right: int):
         def start(self):
             self.pos = 0
 
-        def draft_logits(self, hidden_state, last_token, features):
+        def draft_logits(self, hidden_state, last_token, features, tokens):
             drafts = list(truth[self.pos + 1:self.pos + 1 + GAMMA])
             drafts[right:] = [(t + 1) % vocab for t in drafts[right:]]
             self.pos += min(right, GAMMA) + 1  # the decoder accepts exactly `right`, then emits the bonus
@@ -85,8 +85,8 @@ class _Recorder:
     def start(self):
         self.inner.start()
 
-    def draft_logits(self, hidden_state, last_token, features):
-        out = self.inner.draft_logits(hidden_state, last_token, features)
+    def draft_logits(self, hidden_state, last_token, features, tokens):
+        out = self.inner.draft_logits(hidden_state, last_token, features, tokens)
         self.proposals.append(out.float().clone())
         return out
 

@@ -43,7 +43,7 @@ class _Oracle(StubDrafter):
     def __init__(self, target):
         self.lm_head = target.get_output_embeddings()
 
-    def draft_logits(self, hidden_state, last_token, features):
+    def draft_logits(self, hidden_state, last_token, features, tokens):
         logits = self.lm_head(hidden_state)
         return torch.stack([logits, logits, -logits])
 

@@ -14,7 +14,7 @@ class RandomDrafter(StubDrafter):
     def __init__(self, vocab):
         self.vocab = vocab
 
-    def draft_logits(self, hidden_state, last_token, features):
+    def draft_logits(self, hidden_state, last_token, features, tokens):
         return torch.randn(self.gamma, self.vocab) * 3
 
 
@@ -56,7 +56,7 @@ def test_a_drafter_that_knows_the_answer_gets_everything_accepted(tiny):
         """Knows the target's greedy continuation; if all is accepted, step s starts at token 1 + 5 s."""
         gamma, calls = 4, 0
 
-        def draft_logits(self, hidden_state, last_token, features):
+        def draft_logits(self, hidden_state, last_token, features, tokens):
             start = 1 + 5 * self.calls
             self.calls += 1
             return torch.nn.functional.one_hot(torch.tensor(truth[start:start + 4]), len(tok)).float()

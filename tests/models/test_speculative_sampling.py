@@ -153,7 +153,7 @@ class _FixedDrafter(StubDrafter):
     def __init__(self, vocab):
         self.logits = torch.randn(self.gamma, vocab, generator=torch.Generator().manual_seed(5)) * 2
 
-    def draft_logits(self, hidden_state, last_token, features):
+    def draft_logits(self, hidden_state, last_token, features, tokens):
         return self.logits
 
 

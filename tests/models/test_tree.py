@@ -53,7 +53,7 @@ def test_an_oracle_tree_accepts_the_deepest_path(tiny):
     class Oracle(StubDrafter):
         gamma, calls = 4, 0
 
-        def draft_logits(self, hidden_state, last_token, features):
+        def draft_logits(self, hidden_state, last_token, features, tokens):
             start = 1 + 5 * self.calls
             self.calls += 1
             logits = torch.zeros(4, len(tok))

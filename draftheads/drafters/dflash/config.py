@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftheads.choice import Choice
-from draftheads.training.config import RunConfig, StageConfig
+from draftheads.training.config import Features, RunConfig, StageConfig
 
 
 class Attention(Choice):
@@ -13,12 +13,6 @@ class Attention(Choice):
     auto = "auto"
     flex = "flex"
     sdpa = "sdpa"
-
-
-class Features(Choice):
-    """When the target's features are computed for training (``dflash.features``)."""
-    precomputed = "precomputed"
-    online = "online"
 
 
 @dataclass

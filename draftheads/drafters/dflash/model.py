@@ -30,6 +30,9 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
+from draftheads.models.target import full_attention_rope
+from draftheads.training.held_out import chain_estimates
+
 
 
 def _flex_attention(*args, **kwargs):
@@ -92,14 +95,13 @@ def draft_config(target_config, num_layers: int, block_size: int, target_layer_i
     RMSNorm eps, the RoPE of its full-attention layers, vocabulary), ``num_layers`` deep, plus DFlash's
     fields."""
     t = target_config.get_text_config(decoder=True)
-    rope = getattr(t, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(t, "rope_theta", 1e4)}
     config = Qwen3Config(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=t.num_attention_heads,
         num_key_value_heads=t.num_key_value_heads,
         head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
         max_position_embeddings=t.max_position_embeddings, rms_norm_eps=t.rms_norm_eps,
-        rope_parameters=dict(rope.get("full_attention", rope)), attention_bias=False, tie_word_embeddings=False,
+        rope_parameters=full_attention_rope(target_config), attention_bias=False, tie_word_embeddings=False,
         initializer_range=getattr(t, "initializer_range", 0.02))
     config.num_target_layers = t.num_hidden_layers
     config.block_size = block_size
@@ -345,9 +347,8 @@ def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Ten
         hidden: ``[B, A, S, D]`` from :meth:`DFlashDraftModel.forward`; labels, valid: ``[B, A, S-1]``.
         decay: position weight ``exp(-(k-1)/decay)``; the loss is normalised by the weight sum of valid targets.
     Returns:
-        ``(loss, metrics)``; metrics (detached): ``acc_pos{k}`` (top-1 accuracy at position k, unconditional),
-        ``alpha_pos{k}`` (accuracy at k given 1..k-1 correct) and ``tau_estimate`` = 1 + sum_k prod_{j<=k}
-        alpha_j, an estimate from teacher-forced blocks: the evaluator's tau is the measurement.
+        ``(loss, metrics)``; metrics: :func:`~draftheads.training.held_out.chain_estimates` of the blocks
+        (``acc_pos{k}``, ``alpha_pos{k}``, ``tau_estimate``).
     Raises ``ValueError`` when no target is valid (a batch without response tokens).
     """
     if not valid.any():
@@ -360,20 +361,7 @@ def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Ten
     with torch.no_grad():
         correct = torch.zeros_like(valid)
         correct[valid] = logits.argmax(-1) == labels[valid]
-        prefix = correct.long().cumprod(-1).bool()  # positions 1..k all correct (an invalid one ends it)
-        reached = torch.cat([valid[..., :1], prefix[..., :-1] & valid[..., 1:]], dim=-1)
-        metrics = {}
-        alpha_prod, tau = 1.0, 1.0
-        for k in range(S1):
-            n_valid = valid[..., k].sum()
-            metrics[f"acc_pos{k + 1}"] = correct[..., k].sum() / n_valid if n_valid else hidden.new_tensor(float("nan"))
-            n_reached = reached[..., k].sum()
-            alpha = prefix[..., k].sum() / n_reached if n_reached else hidden.new_tensor(0.0)
-            metrics[f"alpha_pos{k + 1}"] = alpha
-            alpha_prod = alpha_prod * alpha
-            tau = tau + alpha_prod
-        metrics["tau_estimate"] = torch.as_tensor(tau, device=hidden.device)
-    return loss, metrics
+    return loss, chain_estimates(correct, valid)
 
 
 class DFlashDrafter:
@@ -413,7 +401,8 @@ class DFlashDrafter:
         self._length += m
 
     @torch.inference_mode()
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None) -> torch.Tensor:
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                    tokens: torch.Tensor | None) -> torch.Tensor:
         if features is not None and len(features):
             self._extend(features)
         if self._context is None:

@@ -8,14 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
-from draftheads.drafters.dflash.config import DFlashRunConfig, Features
+from draftheads.drafters.dflash.config import DFlashRunConfig
 from draftheads.drafters.dflash.export import export_dflash, load_dflash
 from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, default_decay,
                                               default_target_layer_ids)
 from draftheads.drafters.dflash.training import DFlashTraining
-from draftheads.drafters.dflash.validation import validate_dflash
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.models.target import TargetSpec
+from draftheads.training.config import Features
+from draftheads.training.held_out import held_out_metrics
 from draftheads.training.recipe import Trained
 from draftheads.training.runtime import print0
 from draftheads.training.spine import fit
@@ -84,8 +85,8 @@ class DFlash:
     def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
         conf: DFlashRunConfig = job.conf
         module = DFlashTraining(trained.model, job.target, conf.dflash.max_anchors, _decay(conf), online=False).module
-        return validate_dflash(module, rows, conf.trainer.hidden_states_batch_size, job.tokenizer.pad_token_id,
-                               conf.trainer.seed)
+        return held_out_metrics(module, rows, conf.trainer.hidden_states_batch_size, job.tokenizer.pad_token_id,
+                                "dflash_loss", conf.trainer.seed)
 
     def save(self, job, trained: Trained) -> dict:
         """``export/dflash`` (what vLLM and SGLang load) is the run's saved model, reloaded strictly by
@@ -121,7 +122,7 @@ class DFlash:
         stop, n = stop_token_ids(tokenizer, target.generation_config), conf.eval.max_new_tokens
         return {denoiser.name: lambda ids, gen: speculative_decode(target, denoiser, ids, n, stop, sampling, gen)}
 
-    def vllm_config(self, run_dir: Path, trained: Trained) -> dict:
+    def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
         return {"method": "dflash", "model": str((Path(run_dir) / self.vllm_weights).resolve()),
                 "num_speculative_tokens": trained.model.block_size - 1}
 

@@ -188,5 +188,6 @@ class MedusaDrafter:
         pass
 
     @torch.inference_mode()
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None) -> torch.Tensor:
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                    tokens: torch.Tensor | None) -> torch.Tensor:
         return self.heads(hidden_state, lm_head=self.lm_head)

@@ -135,7 +135,7 @@ class Medusa:
         return {"medusa_tree_typical" if typical else "medusa_tree":
                 lambda ids, gen: tree_decode(target, drafter, tree, ids, n, stop, typical)}
 
-    def vllm_config(self, run_dir: Path, trained: Trained) -> dict:
+    def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
         return {"method": "medusa", "model": str((Path(run_dir) / self.vllm_weights).resolve()),
                 "num_speculative_tokens": trained.model.num_heads}
 

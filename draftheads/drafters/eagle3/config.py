@@ -1,0 +1,39 @@
+"""EAGLE-3's config schema (``conf/eagle3.yaml`` extends :class:`Eagle3RunConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftheads.training.config import Features, RunConfig, StageConfig
+
+
+@dataclass
+class Eagle3Config:
+    """The EAGLE-3 drafter (Li et al., arXiv 2503.01840) and how it trains and drafts."""
+    target_layer_ids: list[int] | None = None
+    """The target layers fused by ``fc`` (low, middle, high); id i is the output of decoder layer i (0-based),
+    as DFlash's. Default ``[1, L//2 - 1, L - 4]``: the layers vLLM reads for a target that names none (its ids
+    ``(2, L//2, L-3)`` count layer inputs). The export writes vLLM's ids (each + 1)."""
+    draft_vocab_size: int = 32000
+    """The drafter's own LM head covers this many target tokens, the most frequent trained tokens of the rows
+    (capped at the target's vocabulary; equal to it: no ``d2t`` mapping)."""
+    ttt_steps: int = 7
+    """Training-time test: the drafter is unrolled this many steps per position, step j > 1 fed its own hidden
+    state of step j-1 (the paper's 7)."""
+    step_decay: float = 0.8
+    """Step j's loss weight is ``step_decay ** (j-1)`` (the EAGLE-3 reference's 0.8); the loss is normalised by
+    the weights' sum."""
+    gamma: int = 5
+    """Draft length when decoding: tokens proposed per verification (vLLM's ``num_speculative_tokens``)."""
+    features: Features = Features.precomputed
+    """precomputed: the target's layer outputs for every row computed once before training (or read from the
+    state cache) and kept in memory; online: a target forward (no autograd) per batch."""
+
+
+@dataclass
+class Eagle3RunConfig(RunConfig):
+    """``train/eagle3.py``: EAGLE-3 training, evaluation and export (export/eagle3)."""
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
+    train: StageConfig = field(default_factory=StageConfig)
+    output_dir: str = "runs/eagle3"
+    drafter: str = "eagle3"

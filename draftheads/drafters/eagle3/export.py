@@ -1,0 +1,120 @@
+"""EAGLE-3 drafter to the folder vLLM (``method: eagle3``, ``LlamaForCausalLMEagle3`` ->
+``Eagle3LlamaForCausalLM``) and SGLang (``--speculative-algorithm EAGLE3``, ``LlamaForCausalLMEagle3``) load,
+with a strict loader.
+
+Layout (checked against vLLM 0.32's ``model_executor/models/llama_eagle3.py``: ``load_weights`` and its
+``midlayer.`` -> ``layers.0.`` mapping, ``compute_logits``, ``combine_hidden_states``):
+- ``config.json``: a one-layer Llama config with ``architectures: ["LlamaForCausalLMEagle3"]``,
+  ``vocab_size`` (the target's), ``draft_vocab_size``, ``target_hidden_size``,
+  ``eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}`` (vLLM's ids: the *input* of
+  decoder layer i, i.e. draftheads id + 1; the target reads these layers) and ``num_target_layers``.
+- ``model.safetensors``: ``fc.weight`` ``[D, 3D]``, ``midlayer.{input_layernorm,hidden_norm,
+  post_attention_layernorm}.weight`` ``[D]``, ``midlayer.self_attn.{q,k,v}_proj.weight`` ``[heads*hd, 2D]``,
+  ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
+  ``lm_head.weight`` ``[V_draft, D]``; with a draft vocabulary smaller than the target's, ``d2t`` ``[V_draft]``
+  int64 (target id - draft id) and ``t2d`` ``[V]`` bool (vLLM reads ``d2t`` and skips ``t2d``; with equal
+  vocabularies vLLM has no mapping to load, so neither is written). No embedding: both servers then share the
+  target's.
+
+Errors name the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, PreTrainedModel
+
+from draftheads.drafters.eagle3.model import Eagle3DraftModel
+from draftheads.models.export import check_tensors
+
+WEIGHTS = "model.safetensors"
+
+
+def expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of the layout and its shape, from a draft config."""
+    D, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    H, Hkv = config.num_attention_heads, config.num_key_value_heads
+    V, Vd = config.vocab_size, config.draft_vocab_size
+    K = len(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    m = "midlayer."
+    shapes = {"fc.weight": (D, K * config.target_hidden_size), "norm.weight": (D,), "lm_head.weight": (Vd, D),
+              m + "input_layernorm.weight": (D,), m + "hidden_norm.weight": (D,),
+              m + "post_attention_layernorm.weight": (D,),
+              m + "self_attn.q_proj.weight": (H * hd, 2 * D), m + "self_attn.k_proj.weight": (Hkv * hd, 2 * D),
+              m + "self_attn.v_proj.weight": (Hkv * hd, 2 * D), m + "self_attn.o_proj.weight": (D, H * hd),
+              m + "mlp.gate_proj.weight": (I, D), m + "mlp.up_proj.weight": (I, D), m + "mlp.down_proj.weight": (D, I)}
+    if Vd != V:
+        shapes |= {"d2t": (Vd,), "t2d": (V,)}
+    return shapes
+
+
+def server_config(model: Eagle3DraftModel) -> dict:
+    """The ``config.json`` dict: the draft config with every field the servers read made explicit."""
+    c = model.config
+    config = c.to_dict()
+    for key in ("_name_or_path", "transformers_version", "quantization_config", "auto_map"):
+        config.pop(key, None)
+    rope = config.get("rope_parameters") or {}
+    config |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+               "draft_vocab_size": len(model.d2t), "vocab_size": len(model.t2d),
+               "target_hidden_size": c.target_hidden_size, "num_target_layers": c.num_target_layers,
+               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in model.target_layer_ids],
+                                "use_aux_hidden_state": True},
+               "head_dim": c.head_dim, "rope_theta": rope.get("rope_theta", getattr(c, "rope_theta", None)),
+               "tie_word_embeddings": False, "dtype": str(model.fc.weight.dtype).removeprefix("torch.")}
+    return config
+
+
+def export_eagle3(model: Eagle3DraftModel, out_dir: str | Path) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` to ``out_dir`` (atomically, weights first).
+    Raises ``ValueError`` when the drafter's tensors do not match the layout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    if len(model.d2t) == len(model.t2d):
+        tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
+    check_tensors(tensors, expected_shapes(model.config), out / WEIGHTS)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / WEIGHTS)
+    tmp = out / "config.json.tmp"
+    tmp.write_text(json.dumps(server_config(model), indent=1, sort_keys=True))
+    os.replace(tmp, out / "config.json")
+    return out
+
+
+def load_eagle3(path: str | Path, target: PreTrainedModel) -> Eagle3DraftModel:
+    """A drafter from an export folder, bound to ``target``'s embedding (the file's dtype, on ``target``'s
+    device).
+
+    Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for a config that is not an EAGLE-3 draft,
+    tensors that do not match the layout, a ``d2t`` that is not a sorted vocabulary, or a drafter made for
+    another target (sizes differ).
+    """
+    path = Path(path)
+    for name in ("config.json", WEIGHTS):
+        if not (path / name).exists():
+            raise FileNotFoundError(f"{path}: no {name} (an EAGLE-3 export holds config.json and {WEIGHTS})")
+    raw = json.loads((path / "config.json").read_text())
+    for key in ("draft_vocab_size", "target_hidden_size", "num_target_layers", "eagle_config"):
+        if key not in raw:
+            raise ValueError(f"{path / 'config.json'}: missing field {key!r}; not an EAGLE-3 draft config")
+    config = AutoConfig.from_pretrained(path)
+    tensors = load_file(str(path / WEIGHTS))
+    check_tensors(tensors, expected_shapes(config), path / WEIGHTS)
+    model = Eagle3DraftModel(config, target.get_input_embeddings().weight)
+    model.check_target(target.config, where=str(path))
+    if "d2t" in tensors:
+        try:
+            model.set_vocabulary(tensors["d2t"] + torch.arange(len(tensors["d2t"])))
+        except ValueError as e:
+            raise ValueError(f"{path / WEIGHTS}: d2t: {e}") from None
+        if not bool((model.t2d == tensors["t2d"]).all()):
+            raise ValueError(f"{path / WEIGHTS}: t2d does not mark the tokens d2t maps to")
+    model.load_state_dict({**model.state_dict(), **tensors}, strict=True)
+    return model.to(device=next(target.parameters()).device, dtype=tensors["fc.weight"].dtype).eval()

@@ -1,0 +1,43 @@
+"""EAGLE-3 training as a spine strategy (arXiv 2503.01840, section 3.2): the drafter unrolled ``ttt_steps`` steps
+over whole sequences of the target's three-layer features (cached or computed per batch), one loss per step.
+Only the drafter is registered (what DDP wraps and checkpoints save); the target is held outside registration.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from draftheads.data.hidden_states import layer_features
+from draftheads.drafters.eagle3.model import Eagle3DraftModel, eagle3_loss
+from draftheads.training.spine import ModuleStrategy
+
+
+class _Eagle3Module(nn.Module):
+    def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel, steps: int, decay: float):
+        super().__init__()
+        self.drafter = drafter
+        self.frozen = (target,)
+        self.steps, self.decay = steps, decay
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        features = batch.get("target_features")
+        if features is None:  # online: the frozen target runs without autograd
+            features = layer_features(self.frozen[0], batch["input_ids"], batch["attention_mask"],
+                                      self.drafter.target_layer_ids)
+        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], self.steps)
+        return eagle3_loss(self.drafter, hidden, batch["input_ids"], batch["loss_mask"], self.decay)
+
+
+class Eagle3Training(ModuleStrategy):
+    """The EAGLE-3 drafter on target features: ``target_features`` from the batch (precomputed) or from a target
+    forward per batch (online)."""
+    name = "eagle3"
+
+    def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel, steps: int, decay: float, online: bool):
+        self.module = _Eagle3Module(drafter, target, steps, decay)
+        self.required_fields = ("input_ids", "attention_mask", "loss_mask") + (() if online else ("target_features",))
+
+    def param_groups(self, lr: float) -> list[dict]:
+        return [{"params": list(self.module.drafter.parameters()), "lr": lr}]
