@@ -1,7 +1,7 @@
 """Family conformance suite: a tiny random target of every family people serve (``draftheads.models.tiny``:
 each family's architecture with its sliding window and tied or untied embeddings, its real chat template and its
-real ``generation_config`` quirks), through every path: the stop set, loss masks, regeneration, both drafters'
-jobs (a few steps), the evaluator (chain, tree, DFlash, prompt lookup) past the sliding window, and strict
+real ``generation_config`` quirks), through every path: the stop set, loss masks, regeneration, every drafter's
+job (a few steps), the evaluator (chain, tree, DFlash, EAGLE-3, prompt lookup) past the sliding window, and strict
 exports read back. A new family is one ``FAMILIES`` entry plus its end-of-turn token in ``TURN_END``."""
 
 import copy
@@ -22,7 +22,7 @@ from draftheads.models.target import TargetSpec, load_target
 from draftheads.models.tiny import FAMILIES
 from draftheads.packaged import chitchat_conversations
 from draftheads.training.config import to_schema
-from tests.helpers import run_dflash, run_medusa, smoke
+from tests.helpers import run_dflash, run_eagle3, run_medusa, smoke
 
 TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
             "mistral": "</s>", "phi3": "<|end|>"}
@@ -115,19 +115,22 @@ def test_regeneration_is_the_plain_greedy_answer_through_the_first_stop(family):
 
 @pytest.fixture(scope="module")
 def jobs(family, tmp_path_factory, cache_dir):
-    """The Medusa job (both stages) and the DFlash job on one family's target: ``{drafter: (folder, report)}``."""
+    """The Medusa job (both stages), the DFlash job and the EAGLE-3 job on one family's target:
+    ``{drafter: (folder, report)}``."""
     name = family[0]
     out = {}
     for drafter, run, own in (("medusa", run_medusa, ["stage1.epochs=2", "stage2.epochs=1",
                                                       "stage2.unfreeze_last_n_layers=1"]),
-                              ("dflash", run_dflash, ["train.epochs=2", "eval.peer_runs=[]"])):
+                              ("dflash", run_dflash, ["train.epochs=2", "eval.peer_runs=[]"]),
+                              ("eagle3", run_eagle3, ["train.epochs=2", "eval.peer_runs=[]", "eagle3.ttt_steps=3",
+                                                      "eagle3.gamma=3"])):
         folder = tmp_path_factory.mktemp(f"{name}-{drafter}")
         out[drafter] = folder, run(smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}", *JOB,
                                          *own, *OWN_OVERRIDES.get((name, drafter), [])))
     return out
 
 
-def test_both_drafters_train_and_decode_losslessly_past_the_window(family, jobs):
+def test_every_drafter_trains_and_decodes_losslessly_past_the_window(family, jobs):
     _, model, tokenizer = family
     window = getattr(model.config, "sliding_window", None)
     if window:  # every evaluated sequence runs past the window

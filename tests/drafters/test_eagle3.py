@@ -45,6 +45,18 @@ def test_default_layer_ids_are_the_layers_vllm_reads_by_default():
     assert default_layer_ids(30) == [1, 14, 26] and default_layer_ids(4) == [0, 2, 3]
 
 
+def test_the_default_layers_are_left_unnamed_so_vllm_and_sglang_read_the_same_ones(tiny):
+    """vLLM reads a named id i as the input of layer i, SGLang as its output: only the unnamed default is read
+    alike by both; other layers are named as vLLM reads them."""
+    from transformers import LlamaConfig
+    from draftheads.drafters.eagle3.model import draft_config, layer_ids_of
+    target = LlamaConfig(num_hidden_layers=30, hidden_size=64, num_attention_heads=4, intermediate_size=128)
+    default = draft_config(target, [1, 14, 26], 100)
+    assert default.eagle_config == {"use_aux_hidden_state": True} and layer_ids_of(default) == (1, 14, 26)
+    custom = draft_config(target, [2, 14, 26], 100)
+    assert custom.eagle_config["eagle_aux_hidden_state_layer_ids"] == [3, 15, 27] and layer_ids_of(custom) == (2, 14, 26)
+
+
 def test_exported_layer_ids_are_vllms_inputs_of_the_next_layer(tiny, drafter, tmp_path):
     """draftheads id i (output of decoder layer i) is vLLM's id i+1, transformers' ``hidden_states[i+1]``
     (vLLM records ``hidden_states + residual`` before layer i+1 runs)."""

@@ -72,13 +72,14 @@ VLLM_TINY = ["model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "
 
 
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
-@pytest.mark.parametrize("job", ["medusa", "dflash"])
+@pytest.mark.parametrize("job", ["medusa", "dflash", "eagle3"])
 def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, job):
     """A tiny random target and its smoke-trained drafter in real vLLM: token-identical greedy outputs and
     equal acceptance (parity must hold for any weights), through the offline API."""
     from draftheads.jobs.parity import cli as parity
     out = tmp_path / job
-    own = ["stage2.enabled=false"] if job == "medusa" else ["eval.peer_runs=[]", "dflash.block_size=8"]
+    own = {"medusa": ["stage2.enabled=false"], "dflash": ["eval.peer_runs=[]", "dflash.block_size=8"],
+           "eagle3": ["eval.peer_runs=[]", "eagle3.draft_vocab_size=256", "eagle3.gamma=3"]}[job]  # d2t mapped
     train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *own))
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])

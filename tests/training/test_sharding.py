@@ -16,7 +16,11 @@ from tests.helpers import ROOT, SMOKE_STAGES, launch
 pytest.importorskip("deepspeed")
 
 MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
-DFLASH = ["train.epochs=3", "dflash.block_size=8", "eval.peer_runs=[]", "trainer.mixed_precision=no"]
+FEATURE_DRAFTERS = {
+    "dflash": ["train.epochs=3", "dflash.block_size=8", "eval.peer_runs=[]", "trainer.mixed_precision=no"],
+    "eagle3": ["train.epochs=3", "eagle3.ttt_steps=3", "eagle3.draft_vocab_size=256", "eval.peer_runs=[]",
+               "trainer.mixed_precision=no"],
+}
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -75,15 +79,17 @@ def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_
     assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
 
 
-def test_sharded_dflash_runs_train_what_ddp_trains(tmp_path, cache_dir):
-    """DFlash under FSDP on cached features and under ZeRO-3 with the target running online: the same losses
-    and drafter as DDP."""
-    ref = launch("dflash", tmp_path / "ddp", cache_dir, *DFLASH)
-    ref_weights = weights(tmp_path / "ddp" / "export" / "dflash")
+@pytest.mark.parametrize("job", ["dflash", "eagle3"])
+def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir):
+    """The drafters that read target layers, under FSDP on cached features and under ZeRO-3 with the target
+    running online: the same losses and drafter as DDP."""
+    own = FEATURE_DRAFTERS[job]
+    ref = launch(job, tmp_path / "ddp", cache_dir, *own)
+    ref_weights = weights(tmp_path / "ddp" / "export" / job)
     for engine, features in (("fsdp", "precomputed"), ("zero3", "online")):
-        report = launch("dflash", tmp_path / engine, cache_dir, *DFLASH, f"dflash.features={features}", engine=engine)
-        assert_same_curve(report["train_curves"]["dflash"], ref["train_curves"]["dflash"], "dflash/loss")
-        assert_same_weights(weights(tmp_path / engine / "export" / "dflash"), ref_weights)
+        report = launch(job, tmp_path / engine, cache_dir, *own, f"{job}.features={features}", engine=engine)
+        assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
+        assert_same_weights(weights(tmp_path / engine / "export" / job), ref_weights)
         assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
 
 

@@ -6,8 +6,10 @@ Layout (checked against vLLM 0.32's ``model_executor/models/llama_eagle3.py``: `
 ``midlayer.`` -> ``layers.0.`` mapping, ``compute_logits``, ``combine_hidden_states``):
 - ``config.json``: a one-layer Llama config with ``architectures: ["LlamaForCausalLMEagle3"]``,
   ``vocab_size`` (the target's), ``draft_vocab_size``, ``target_hidden_size``,
-  ``eagle_config: {eagle_aux_hidden_state_layer_ids, use_aux_hidden_state}`` (vLLM's ids: the *input* of
-  decoder layer i, i.e. draftheads id + 1; the target reads these layers) and ``num_target_layers``.
+  ``eagle_config: {use_aux_hidden_state[, eagle_aux_hidden_state_layer_ids]}`` and ``num_target_layers``. The
+  layer ids are left out when they are the servers' default (vLLM and SGLang then read the same layers), else
+  written as vLLM's ids (the *input* of decoder layer i: draftheads id + 1), which SGLang reads as the output of
+  layer i, one layer later (:func:`~draftheads.drafters.eagle3.model.draft_config`).
 - ``model.safetensors``: ``fc.weight`` ``[D, 3D]``, ``midlayer.{input_layernorm,hidden_norm,
   post_attention_layernorm}.weight`` ``[D]``, ``midlayer.self_attn.{q,k,v}_proj.weight`` ``[heads*hd, 2D]``,
   ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
@@ -29,7 +31,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
-from draftheads.drafters.eagle3.model import Eagle3DraftModel
+from draftheads.drafters.eagle3.model import Eagle3DraftModel, layer_ids_of
 from draftheads.models.export import check_tensors
 
 WEIGHTS = "model.safetensors"
@@ -40,7 +42,7 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     D, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     V, Vd = config.vocab_size, config.draft_vocab_size
-    K = len(config.eagle_config["eagle_aux_hidden_state_layer_ids"])
+    K = len(layer_ids_of(config))
     m = "midlayer."
     shapes = {"fc.weight": (D, K * config.target_hidden_size), "norm.weight": (D,), "lm_head.weight": (Vd, D),
               m + "input_layernorm.weight": (D,), m + "hidden_norm.weight": (D,),
@@ -63,8 +65,7 @@ def server_config(model: Eagle3DraftModel) -> dict:
     config |= {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
                "draft_vocab_size": len(model.d2t), "vocab_size": len(model.t2d),
                "target_hidden_size": c.target_hidden_size, "num_target_layers": c.num_target_layers,
-               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in model.target_layer_ids],
-                                "use_aux_hidden_state": True},
+               "eagle_config": dict(c.eagle_config),
                "head_dim": c.head_dim, "rope_theta": rope.get("rope_theta", getattr(c, "rope_theta", None)),
                "tie_word_embeddings": False, "dtype": str(model.fc.weight.dtype).removeprefix("torch.")}
     return config

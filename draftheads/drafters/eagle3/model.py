@@ -34,11 +34,19 @@ from draftheads.training.held_out import chain_estimates
 
 
 def default_layer_ids(num_target_layers: int) -> list[int]:
-    """``[1, L//2 - 1, L - 4]`` (draftheads ids): the layers vLLM reads when a drafter names none
-    (``get_eagle3_aux_hidden_state_layers``: ``(2, L//2, L-3)``, which count layer inputs). SmolLM2 (L=30):
+    """``[1, L//2 - 1, L - 4]`` (draftheads ids): the layers vLLM and SGLang read when a drafter names none (both
+    capture the residual stream entering layers ``(2, L//2, L-3)``: :func:`servers_default`). SmolLM2 (L=30):
     ``[1, 14, 26]``; Llama-3.1-8B (L=32): ``[1, 15, 28]``. A target under 8 layers: ``[0, L//2, L-1]``."""
     L = num_target_layers
-    return [1, L // 2 - 1, L - 4] if L >= 8 else sorted({0, L // 2, L - 1})
+    return servers_default(L) if L >= 8 else sorted({0, L // 2, L - 1})
+
+
+def servers_default(num_target_layers: int) -> list[int]:
+    """The layers vLLM (``SupportsEagle3.get_eagle3_default_aux_hidden_state_layers``) and SGLang
+    (``set_eagle3_layers_to_capture(None)``) read for a drafter whose config names none, as draftheads ids
+    (outputs of decoder layers): the inputs of layers ``2, L//2, L-3``."""
+    L = num_target_layers
+    return [1, L // 2 - 1, L - 4]
 
 
 def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> torch.Tensor:
@@ -56,9 +64,14 @@ def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> torch.Tens
 
 def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: int) -> LlamaConfig:
     """The drafter's config: a one-layer Llama config of the target's width (heads, KV heads, head_dim, MLP,
-    RMSNorm eps, the RoPE of its full-attention layers, vocabulary) plus EAGLE-3's fields as vLLM reads them:
-    ``draft_vocab_size``, ``target_hidden_size``, ``eagle_config.eagle_aux_hidden_state_layer_ids`` (vLLM's ids,
-    each draftheads id + 1) and ``num_target_layers``."""
+    RMSNorm eps, the RoPE of its full-attention layers, vocabulary) plus EAGLE-3's fields as the servers read
+    them: ``draft_vocab_size``, ``target_hidden_size``, ``num_target_layers`` and ``eagle_config``.
+
+    The servers read ``eagle_config.eagle_aux_hidden_state_layer_ids`` differently: vLLM's id i is the input of
+    decoder layer i (``llama.py``: ``_maybe_add_hidden_state(aux, idx + 1, ..)`` after layer idx), SGLang's the
+    output of layer i (``llama.py``: ``layers_to_capture = [val + 1 for val in layer_ids]``, captured entering
+    layer val + 1). Layers equal to :func:`servers_default` are therefore left unnamed, which both read alike;
+    other layers are written as vLLM's ids (draftheads id + 1), which SGLang reads one layer later."""
     t = target_config.get_text_config(decoder=True)
     config = LlamaConfig(
         vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
@@ -70,16 +83,20 @@ def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: i
     config.draft_vocab_size = draft_vocab_size
     config.target_hidden_size = t.hidden_size
     config.num_target_layers = t.num_hidden_layers
-    config.eagle_config = {"eagle_aux_hidden_state_layer_ids": [i + 1 for i in target_layer_ids],
-                           "use_aux_hidden_state": True}
+    config.eagle_config = {"use_aux_hidden_state": True}
+    if list(target_layer_ids) != servers_default(t.num_hidden_layers):
+        config.eagle_config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in target_layer_ids]
     config.architectures = ["LlamaForCausalLMEagle3"]
     return config
 
 
 def layer_ids_of(config) -> tuple[int, ...]:
-    """draftheads layer ids from a draft config's vLLM ids (each - 1). Raises ``ValueError`` for ids outside the
-    target's decoder layers (vLLM's id 0, the embeddings, is not a layer output)."""
-    served = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids") or []
+    """draftheads layer ids of a draft config: its vLLM ids each - 1, or :func:`servers_default` when it names
+    none (see :func:`draft_config`). Raises ``ValueError`` for ids outside the target's decoder layers (vLLM's
+    id 0, the embeddings, is not a layer output)."""
+    served = (getattr(config, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not served:
+        return tuple(servers_default(config.num_target_layers))
     ids = tuple(i - 1 for i in served)
     if not ids or not all(0 <= i < config.num_target_layers for i in ids):
         raise ValueError(f"eagle_config.eagle_aux_hidden_state_layer_ids {list(served)} must be non-empty vLLM ids "

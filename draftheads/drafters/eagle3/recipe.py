@@ -82,6 +82,9 @@ class Eagle3:
         evaluation: always written."""
         path = export_eagle3(trained.model, job.out / EXPORT)
         m = trained.model
+        if "eagle_aux_hidden_state_layer_ids" in m.config.eagle_config:
+            print(f"{path}: target layers {list(m.target_layer_ids)} are not the servers' default, so the export "
+                  f"names them as vLLM reads them; SGLang reads those ids one layer later", flush=True)
         return {"exports": {"eagle3": str(path)},
                 "drafter_config": {"target_layer_ids": list(m.target_layer_ids), "draft_vocab_size": len(m.d2t),
                                    "ttt_steps": job.conf.eagle3.ttt_steps, "gamma": job.conf.eagle3.gamma}}
