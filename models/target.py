@@ -209,6 +209,20 @@ def full_attention_rope(config) -> dict:
     return dict(rope.get("full_attention", rope))
 
 
+def check_made_for(made_for, target_config, what: str) -> None:
+    """``ValueError`` when a drafter was made for a target of other sizes: ``made_for`` (a drafter's config, or
+    a dict) gives ``hidden_size``, ``vocab_size`` and ``num_target_layers``, compared with the target's hidden
+    size, vocabulary and decoder layers; the message names ``what`` (the file and the drafter) and the sizes."""
+    get = made_for.get if isinstance(made_for, dict) else lambda key: getattr(made_for, key, None)
+    t = target_config.get_text_config(decoder=True)
+    mine = {"hidden_size": get("hidden_size"), "vocab_size": get("vocab_size"),
+            "num_hidden_layers": get("num_target_layers")}
+    theirs = {"hidden_size": t.hidden_size, "vocab_size": t.vocab_size, "num_hidden_layers": t.num_hidden_layers}
+    wrong = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
+    if wrong:
+        raise ValueError(f"{what} made for another target: (drafter, target) differ in {wrong}")
+
+
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
     """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
 

@@ -18,15 +18,13 @@ errors name the file and the tensor.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
 from draftheads.drafters.dflash.model import DFlashDraftModel
-from draftheads.models.export import check_tensors
+from draftheads.models.export import check_tensors, read_folder, write_folder
+from draftheads.models.target import check_made_for
 
 WEIGHTS = "model.safetensors"
 
@@ -72,17 +70,8 @@ def server_config(model: DFlashDraftModel) -> dict:
 def export_dflash(model: DFlashDraftModel, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` to ``out_dir`` (atomically, weights first).
     Raises ``ValueError`` when the drafter's tensors do not match the layout."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    check_tensors(tensors, expected_shapes(model.config), out / WEIGHTS)
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS)
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(server_config(model), indent=1, sort_keys=True))
-    os.replace(tmp, out / "config.json")
-    return out
+    return write_folder(out_dir, tensors, server_config(model), expected_shapes(model.config), WEIGHTS)
 
 
 def load_dflash(path: str | Path, target: PreTrainedModel) -> DFlashDraftModel:
@@ -92,18 +81,10 @@ def load_dflash(path: str | Path, target: PreTrainedModel) -> DFlashDraftModel:
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for a config that is not a DFlash draft,
     tensors that do not match the layout, or a drafter made for another target (sizes differ).
     """
-    path = Path(path)
-    for name in ("config.json", WEIGHTS):
-        if not (path / name).exists():
-            raise FileNotFoundError(f"{path}: no {name} (a DFlash export holds config.json and {WEIGHTS})")
-    raw = json.loads((path / "config.json").read_text())
-    for key in ("block_size", "num_target_layers", "dflash_config"):
-        if key not in raw:
-            raise ValueError(f"{path / 'config.json'}: missing field {key!r}; not a DFlash draft config")
+    _, tensors = read_folder(path, ("block_size", "num_target_layers", "dflash_config"), "DFlash draft", WEIGHTS)
     config = AutoConfig.from_pretrained(path)
-    tensors = load_file(str(path / WEIGHTS))
-    check_tensors(tensors, expected_shapes(config), path / WEIGHTS)
+    check_tensors(tensors, expected_shapes(config), Path(path) / WEIGHTS)
     model = DFlashDraftModel(config, target.get_input_embeddings().weight, target.get_output_embeddings())
-    model.check_target(target.config, where=str(path))
+    check_made_for(model.config, target.config, f"{path}: DFlash drafter")
     model.load_state_dict(tensors, strict=True)
     return model.to(device=next(target.parameters()).device, dtype=tensors["fc.weight"].dtype).eval()

@@ -163,16 +163,6 @@ class DFlashDraftModel(nn.Module):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
-    def check_target(self, target_config, where: str) -> None:
-        """``ValueError`` naming ``where`` when this drafter was not made for a target of these sizes."""
-        mine = {"hidden_size": self.config.hidden_size, "vocab_size": self.config.vocab_size,
-                "num_hidden_layers": self.config.num_target_layers}
-        theirs = {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
-                  "num_hidden_layers": target_config.num_hidden_layers}
-        wrong = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
-        if wrong:
-            raise ValueError(f"{where}: DFlash drafter made for another target: (drafter, target) differ in {wrong}")
-
     # --- the pieces shared by training and drafting -------------------------------------------------------
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:

@@ -23,16 +23,14 @@ Errors name the file and the tensor.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, PreTrainedModel
 
 from draftheads.drafters.eagle3.model import Eagle3DraftModel, layer_ids_of
-from draftheads.models.export import check_tensors
+from draftheads.models.export import check_tensors, read_folder, write_folder
+from draftheads.models.target import check_made_for
 
 WEIGHTS = "model.safetensors"
 
@@ -74,19 +72,10 @@ def server_config(model: Eagle3DraftModel) -> dict:
 def export_eagle3(model: Eagle3DraftModel, out_dir: str | Path) -> Path:
     """Write ``config.json`` and ``model.safetensors`` to ``out_dir`` (atomically, weights first).
     Raises ``ValueError`` when the drafter's tensors do not match the layout."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     if len(model.d2t) == len(model.t2d):
         tensors = {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")}
-    check_tensors(tensors, expected_shapes(model.config), out / WEIGHTS)
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / WEIGHTS)
-    tmp = out / "config.json.tmp"
-    tmp.write_text(json.dumps(server_config(model), indent=1, sort_keys=True))
-    os.replace(tmp, out / "config.json")
-    return out
+    return write_folder(out_dir, tensors, server_config(model), expected_shapes(model.config), WEIGHTS)
 
 
 def load_eagle3(path: str | Path, target: PreTrainedModel) -> Eagle3DraftModel:
@@ -97,25 +86,20 @@ def load_eagle3(path: str | Path, target: PreTrainedModel) -> Eagle3DraftModel:
     tensors that do not match the layout, a ``d2t`` that is not a sorted vocabulary, or a drafter made for
     another target (sizes differ).
     """
-    path = Path(path)
-    for name in ("config.json", WEIGHTS):
-        if not (path / name).exists():
-            raise FileNotFoundError(f"{path}: no {name} (an EAGLE-3 export holds config.json and {WEIGHTS})")
-    raw = json.loads((path / "config.json").read_text())
-    for key in ("draft_vocab_size", "target_hidden_size", "num_target_layers", "eagle_config"):
-        if key not in raw:
-            raise ValueError(f"{path / 'config.json'}: missing field {key!r}; not an EAGLE-3 draft config")
+    where = Path(path) / WEIGHTS
+    _, tensors = read_folder(path, ("draft_vocab_size", "target_hidden_size", "num_target_layers", "eagle_config"),
+                             "EAGLE-3 draft", WEIGHTS)
     config = AutoConfig.from_pretrained(path)
-    tensors = load_file(str(path / WEIGHTS))
-    check_tensors(tensors, expected_shapes(config), path / WEIGHTS)
+    check_tensors(tensors, expected_shapes(config), where)
     model = Eagle3DraftModel(config, target.get_input_embeddings().weight)
-    model.check_target(target.config, where=str(path))
+    check_made_for({**config.to_dict(), "hidden_size": config.target_hidden_size}, target.config,
+                   f"{path}: EAGLE-3 drafter")
     if "d2t" in tensors:
         try:
             model.set_vocabulary(tensors["d2t"] + torch.arange(len(tensors["d2t"])))
         except ValueError as e:
-            raise ValueError(f"{path / WEIGHTS}: d2t: {e}") from None
+            raise ValueError(f"{where}: d2t: {e}") from None
         if not bool((model.t2d == tensors["t2d"]).all()):
-            raise ValueError(f"{path / WEIGHTS}: t2d does not mark the tokens d2t maps to")
+            raise ValueError(f"{where}: t2d does not mark the tokens d2t maps to")
     model.load_state_dict({**model.state_dict(), **tensors}, strict=True)
     return model.to(device=next(target.parameters()).device, dtype=tensors["fc.weight"].dtype).eval()

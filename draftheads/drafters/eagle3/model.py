@@ -218,16 +218,6 @@ class Eagle3DraftModel(nn.Module):
         """``[V_draft]`` target id of each draft token (``arange + d2t``, as vLLM maps them)."""
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
-    def check_target(self, target_config, where: str) -> None:
-        """``ValueError`` naming ``where`` when this drafter was not made for a target of these sizes."""
-        mine = {"hidden_size": self.config.target_hidden_size, "vocab_size": self.config.vocab_size,
-                "num_hidden_layers": self.config.num_target_layers}
-        theirs = {"hidden_size": target_config.hidden_size, "vocab_size": target_config.vocab_size,
-                  "num_hidden_layers": target_config.num_hidden_layers}
-        wrong = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
-        if wrong:
-            raise ValueError(f"{where}: EAGLE-3 drafter made for another target: (drafter, target) differ in {wrong}")
-
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids -> the target's embedding rows (raw lookup), in the drafter's dtype."""
         return F.embedding(ids, self.frozen[0]).to(self.fc.weight.dtype)
