@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache, write_cache, write_manifest
 from draftheads.jobs.cache import cache_states
-from tests.helpers import ROOT, SMOKE_STAGES, run_dflash, run_medusa, smoke
+from tests.helpers import ROOT, SMOKE_STAGES, run_dflash, run_eagle3, run_medusa, smoke
 
 
 
@@ -127,6 +127,20 @@ def test_training_on_the_offline_cache_follows_the_in_memory_curve(tmp_path, cac
     with pytest.raises(ValueError, match="another layer_ids"):  # a DFlash job cannot read Medusa's cache
         run_dflash(short("dflash", tmp_path / "d", cache_dir, "data.hidden_states=offline",
                            f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", "eval.peer_runs=[]"))
+
+
+def test_eagle3_trains_on_its_three_layer_cache_as_in_memory(tmp_path, cache_dir):
+    """``train/cache_hidden_states.py --config-name eagle3`` caches the drafter's three layers; training on that
+    cache follows the in-memory curve."""
+    own = ["eagle3.ttt_steps=2", "eval.peer_runs=[]", "data.hidden_states_dtype=float32"]
+    hs = f"data.hidden_states_dir={tmp_path / 'hs'}"
+    folder = cache_states(short("eagle3", tmp_path / "a", cache_dir, *own, hs))
+    assert json.loads((Path(folder) / "manifest.json").read_text())["spec"]["layer_ids"] == [0, 2, 3]
+    offline = run_eagle3(short("eagle3", tmp_path / "b", cache_dir, *own, hs, "data.hidden_states=offline"))
+    memory = run_eagle3(short("eagle3", tmp_path / "c", cache_dir, *own))
+    a, b = offline["train_curves"]["eagle3"], memory["train_curves"]["eagle3"]
+    assert [x["step"] for x in a] == [x["step"] for x in b] and a
+    assert [x["eagle3/loss"] for x in a] == pytest.approx([x["eagle3/loss"] for x in b], rel=1e-4)
 
 
 def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):
