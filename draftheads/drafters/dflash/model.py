@@ -32,6 +32,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from draftheads.models.target import full_attention_rope
 from draftheads.training.held_out import chain_estimates
+from draftheads.training.lm_head_loss import head_cross_entropy
 
 
 
@@ -339,18 +340,18 @@ def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Ten
     Returns:
         ``(loss, metrics)``; metrics: :func:`~draftheads.training.held_out.chain_estimates` of the blocks
         (``acc_pos{k}``, ``alpha_pos{k}``, ``tau_estimate``).
+    The target's LM head runs chunked, its ``[targets, V]`` logits never materialised.
     Raises ``ValueError`` when no target is valid (a batch without response tokens).
     """
     if not valid.any():
         raise ValueError("a DFlash batch has no valid block target: no response token follows any anchor")
     S1 = labels.shape[-1]
     weights = position_weights(S1 + 1, decay).to(hidden.device).expand_as(valid)[valid]
-    logits = model.logits(hidden[:, :, 1:][valid]).float()
-    ce = F.cross_entropy(logits, labels[valid], reduction="none")
-    loss = (ce * weights).sum() / weights.sum()
+    loss, _, top = head_cross_entropy(model.frozen[1], hidden[:, :, 1:][valid], labels[valid], weights / weights.sum(),
+                                      k=1)
     with torch.no_grad():
         correct = torch.zeros_like(valid)
-        correct[valid] = logits.argmax(-1) == labels[valid]
+        correct[valid] = top[:, 0] == labels[valid]
     return loss, chain_estimates(correct, valid)
 
 

@@ -31,6 +31,7 @@ from transformers.models.llama import modeling_llama as llama
 
 from draftheads.models.target import full_attention_rope
 from draftheads.training.held_out import chain_estimates
+from draftheads.training.lm_head_loss import LMHead
 
 
 def default_layer_ids(num_target_layers: int) -> list[int]:
@@ -183,7 +184,7 @@ class Eagle3DraftModel(nn.Module):
         self.fc = nn.Linear(len(self.target_layer_ids) * config.target_hidden_size, D, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = llama.LlamaRMSNorm(D, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(D, Vd, bias=False)
+        self.lm_head = LMHead(D, Vd, bias=False)
         self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(V, dtype=torch.bool) if Vd == V else torch.zeros(V, dtype=torch.bool))
         self.rotary_emb = llama.LlamaRotaryEmbedding(config=config)
@@ -306,13 +307,12 @@ def eagle3_loss(model: Eagle3DraftModel, hidden: torch.Tensor, input_ids: torch.
     if not held.any():
         raise ValueError("an EAGLE-3 batch has no target in the draft vocabulary: no trainable token 2+ positions "
                          "after another, or eagle3.draft_vocab_size too small")
-    logits = model.draft_logits(hidden[held]).float()
     weights = (decay ** torch.arange(J, device=hidden.device, dtype=torch.float32)).expand(B, T, J)[held]
-    ce = F.cross_entropy(logits, draft_labels[held], reduction="none")
-    loss = (ce * weights).sum() / weights.sum()
+    # chunked through the drafter's own head (inside its forward): no [targets, V_draft] logits
+    loss, _, top = model.lm_head(model.norm(hidden[held]), draft_labels[held], weights / weights.sum(), 1)
     with torch.no_grad():
         correct = torch.zeros_like(valid)
-        correct[held] = logits.argmax(-1) == draft_labels[held]
+        correct[held] = top[:, 0] == draft_labels[held]
         metrics = chain_estimates(correct, valid)
         metrics["vocab_coverage"] = held.sum() / valid.sum()
     return loss, metrics

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftheads.training.lm_head_loss import LMHead, head_cross_entropy
+
 
 class ResBlock(nn.Module):
     """One Medusa residual block, ``x + SiLU(W x + b)``.
@@ -54,7 +56,7 @@ class MedusaHeads(nn.Module):
         self.num_heads, self.num_layers = num_heads, num_layers
         self.blocks = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)]) for _ in range(num_heads))
-        self.lm_heads = (nn.ModuleList(nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+        self.lm_heads = (nn.ModuleList(LMHead(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
                          if per_head_lm_head else None)
 
     @property
@@ -86,13 +88,18 @@ class MedusaHeads(nn.Module):
         """
         return torch.stack([blocks(hidden_states) for blocks in self.blocks])
 
-    def head_logits(self, k: int, head_state: torch.Tensor, lm_head: nn.Module | None) -> torch.Tensor:
-        """Logits ``[..., V]`` of head ``k`` (0-based) from its block output ``[..., D]``."""
+    def lm_head_of(self, k: int, lm_head: nn.Module | None) -> nn.Module:
+        """Head ``k``'s LM head (0-based): its own, or the target's ``lm_head``. Raises ``ValueError`` when the
+        heads share the target's and ``lm_head`` is None."""
         if self.lm_heads is not None:
-            return self.lm_heads[k](head_state)
+            return self.lm_heads[k]
         if lm_head is None:
             raise ValueError("these Medusa heads share the target's LM head: pass lm_head")
-        return lm_head(head_state)
+        return lm_head
+
+    def head_logits(self, k: int, head_state: torch.Tensor, lm_head: nn.Module | None) -> torch.Tensor:
+        """Logits ``[..., V]`` of head ``k`` (0-based) from its block output ``[..., D]``."""
+        return self.lm_head_of(k, lm_head)(head_state)
 
     def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """Logits of all heads.
@@ -138,7 +145,8 @@ def medusa_loss(heads: MedusaHeads, hidden_states: torch.Tensor, labels: torch.T
                 lm_head: nn.Module | None, decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Medusa-1 loss ``sum_k decay^k * CE_k`` (paper eq. 2 with lambda_k = decay^k, k 1-based) and metrics.
 
-    Each head runs only at positions where its label is valid: the LM head (V x D per token) is the cost.
+    Each head runs only at positions where its label is valid: the LM head (V x D per token) is the cost, and its
+    ``[positions, V]`` logits are never materialised (:func:`~draftheads.training.lm_head_loss.head_cross_entropy`).
 
     Args:
         heads: the Medusa heads.
@@ -155,20 +163,19 @@ def medusa_loss(heads: MedusaHeads, hidden_states: torch.Tensor, labels: torch.T
     metrics: dict[str, torch.Tensor] = {}
     for k in range(labels.shape[0]):
         positions = valid[k]
+        target = labels[k][positions]
         state = heads.blocks[k](hidden_states[positions])
-        logits = heads.head_logits(k, state, lm_head).float()
-        if logits.shape[0] == 0:
-            # Keep the head in the graph (DDP expects a gradient for every parameter on every rank).
-            total = total + 0.0 * logits.sum()
+        mean = torch.full((len(target),), 1 / max(len(target), 1), device=state.device)
+        loss, ce, top5 = head_cross_entropy(heads.lm_head_of(k, lm_head), state, target, mean)
+        # a head without a position adds a zero loss, still in the graph (DDP expects a gradient for every
+        # parameter on every rank)
+        total = total + decay ** (k + 1) * loss
+        if not len(target):
             nan = hidden_states.new_tensor(float("nan"))
             metrics.update({f"head{k + 1}_{m}": nan for m in ("loss", "top1", "top5")})
             continue
-        target = labels[k][positions]
-        ce = F.cross_entropy(logits, target)
-        total = total + decay ** (k + 1) * ce
         with torch.no_grad():
-            top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
-            metrics[f"head{k + 1}_loss"] = ce.detach()
+            metrics[f"head{k + 1}_loss"] = ce.mean()
             metrics[f"head{k + 1}_top1"] = (top5[:, 0] == target).float().mean()
             metrics[f"head{k + 1}_top5"] = (top5 == target[:, None]).any(-1).float().mean()
     return total, metrics

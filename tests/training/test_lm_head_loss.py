@@ -1,0 +1,69 @@
+"""The chunked linear cross-entropy equals cross-entropy on the full logits: loss, gradients and top-k."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from draftheads.training.lm_head_loss import linear_cross_entropy
+
+
+def _inputs(N=37, D=24, V=301, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, D, generator=g, dtype=dtype).requires_grad_()
+    weight = (torch.randn(V, D, generator=g) * 0.3).to(dtype).requires_grad_()
+    bias = torch.randn(V, generator=g).to(dtype).requires_grad_()
+    labels = torch.randint(0, V, (N,), generator=g)
+    return hidden, weight, bias, labels
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_bytes", [4 * 301 * 5, 2 ** 30])  # 5 positions per chunk, or all at once
+def test_loss_gradients_and_top_k_equal_the_full_logits(with_bias, chunk_bytes):
+    hidden, weight, bias, labels = _inputs()
+    bias = bias if with_bias else None
+    scale = torch.rand(len(labels))  # a weighted loss, as DFlash and EAGLE-3 weight positions
+    loss, ce, top = linear_cross_entropy(hidden, weight, labels, bias, scale, k=5, chunk_bytes=chunk_bytes)
+    (2 * loss).backward()
+    ours = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+    for t in (hidden, weight, bias):
+        if t is not None:
+            t.grad = None
+    logits = F.linear(hidden, weight, bias).float()
+    ref = F.cross_entropy(logits, labels, reduction="none")
+    (2 * (ref * scale).sum()).backward()
+    theirs = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
+    torch.testing.assert_close(ce, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, (ref * scale).sum(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert torch.equal(top, logits.topk(5, dim=-1).indices)
+    assert not top.requires_grad and not ce.requires_grad
+
+
+def test_a_frozen_head_gets_no_gradient_and_bf16_autocast_matches():
+    hidden, weight, _, labels = _inputs()
+    weight.requires_grad_(False)
+    mean = torch.full((len(labels),), 1 / len(labels))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, ce, _ = linear_cross_entropy(hidden, weight, labels, weights=mean, chunk_bytes=4 * 301 * 7)
+        ref = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="none")
+    torch.testing.assert_close(ce, ref, atol=1e-3, rtol=1e-3)  # both from bf16 products
+    loss.backward()
+    ours = hidden.grad.clone()
+    hidden.grad = None
+    ref.mean().backward()
+    torch.testing.assert_close(ours, hidden.grad, atol=2e-3, rtol=2e-2)
+    assert weight.grad is None
+
+
+def test_without_gradients_nothing_is_kept_for_backward():
+    hidden, weight, _, labels = _inputs()
+    with torch.no_grad():
+        loss, ce, top = linear_cross_entropy(hidden, weight, labels, chunk_bytes=4 * 301 * 7)
+    assert not loss.requires_grad and torch.isfinite(ce).all() and top.shape == (len(labels), 5)
+
+
+def test_labels_outside_the_vocabulary_are_refused():
+    hidden, weight, _, labels = _inputs()
+    with pytest.raises(ValueError, match="labels must lie in 0..300"):
+        linear_cross_entropy(hidden, weight, labels + 301)
