@@ -60,7 +60,7 @@ def test_overrides_from_the_command_line():
 def test_every_registered_drafter_has_a_config_and_records_its_name():
     for name in DRAFTERS:
         assert to_schema(_compose(job=name)).drafter == name
-    with pytest.raises(ValueError, match=r"unknown drafter 'eagle'; registered drafters: \['dflash', 'medusa'\]"):
+    with pytest.raises(ValueError, match=r"unknown drafter 'eagle'; registered drafters: \['dflash', 'eagle3', 'medusa'\]"):
         get("eagle")
 
 
