@@ -5,11 +5,13 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig
 
 from draftheads.data.hidden_states import layer_features
 from draftheads.drafters.eagle3.export import expected_shapes, export_eagle3, load_eagle3
-from draftheads.drafters.eagle3.model import (Eagle3DraftModel, Eagle3Drafter, default_layer_ids, draft_vocabulary,
-                                              eagle3_loss, ttt_attention)
+from draftheads.drafters.eagle3.model import (Eagle3DraftModel, Eagle3Drafter, default_layer_ids, draft_config,
+                                              draft_vocabulary, eagle3_loss, layer_ids_of, ttt_attention)
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 
 LAYERS = [0, 2, 3]
@@ -48,8 +50,6 @@ def test_default_layer_ids_are_the_layers_vllm_reads_by_default():
 def test_the_default_layers_are_left_unnamed_so_vllm_and_sglang_read_the_same_ones(tiny):
     """vLLM reads a named id i as the input of layer i, SGLang as its output: only the unnamed default is read
     alike by both; other layers are named as vLLM reads them."""
-    from transformers import LlamaConfig
-    from draftheads.drafters.eagle3.model import draft_config, layer_ids_of
     target = LlamaConfig(num_hidden_layers=30, hidden_size=64, num_attention_heads=4, intermediate_size=128)
     default = draft_config(target, [1, 14, 26], 100)
     assert default.eagle_config == {"use_aux_hidden_state": True} and layer_ids_of(default) == (1, 14, 26)
@@ -226,7 +226,6 @@ def test_export_round_trip_and_server_fields(tiny, drafter, tmp_path):
     assert config["draft_vocab_size"] == 300 and config["vocab_size"] == model.config.vocab_size
     assert config["target_hidden_size"] == config["hidden_size"] == model.config.hidden_size
     assert config["num_hidden_layers"] == 1 and config["tie_word_embeddings"] is False
-    from safetensors.torch import load_file
     tensors = load_file(str(path / "model.safetensors"))
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert set(tensors) == set(expected_shapes(drafter.config)) and not any("embed" in k for k in tensors)
@@ -242,7 +241,6 @@ def test_export_round_trip_and_server_fields(tiny, drafter, tmp_path):
 
 
 def test_export_loader_refuses_bad_files_and_other_targets(tiny, drafter, tmp_path):
-    from safetensors.torch import load_file, save_file
     model, _ = tiny
     path = export_eagle3(drafter, tmp_path / "e")
     tensors = load_file(str(path / "model.safetensors"))

@@ -35,7 +35,6 @@ from draftheads.training.held_out import chain_estimates
 from draftheads.training.lm_head_loss import head_cross_entropy
 
 
-
 def _flex_attention(*args, **kwargs):
     """flex_attention, compiled on GPUs (eager elsewhere: a reference implementation, slow but exact)."""
     global _COMPILED_FLEX
