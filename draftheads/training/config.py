@@ -185,10 +185,11 @@ class EvalConfig:
     """Seed of the sampling generator (baseline and speculative draw from it in turn)."""
     peers: list[str] | None = None
     """Methods measured beside the drafter under test, by report name: medusa_chain, medusa_tree,
-    medusa_tree_typical, dflash_denoise<N>, prompt_lookup. null: all the run offers; []: none."""
+    medusa_tree_typical, dflash, dflash_denoise<N>, eagle3 (a peer run's chain), prompt_lookup. null: all the run
+    offers; []: none."""
     peer_runs: list[str] = field(default_factory=list)
     """Finished runs of any drafter for the same target, measured beside this run's drafter on the same
-    prompts (each contributes its own methods: medusa_chain and medusa_tree, dflash...). A run that is
+    prompts (each contributes its own methods: medusa_chain and medusa_tree, dflash, eagle3...). A run that is
     missing, unfinished or made for another target is skipped with a note in the report."""
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
