@@ -34,6 +34,15 @@ def layer_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)
 
 
+def batch_features(batch: dict, model: PreTrainedModel, layer_ids: Sequence[int]) -> torch.Tensor:
+    """A batch's ``target_features`` ``[B, T, K*D]``: cached in the batch (precomputed), else from a forward of
+    the frozen ``model`` without autograd (online)."""
+    features = batch.get("target_features")
+    if features is None:
+        features = layer_features(model, batch["input_ids"], batch["attention_mask"], layer_ids)
+    return features
+
+
 def attach_hidden_states(model: PreTrainedModel, rows: list[dict], batch_size: int, pad_token_id: int,
                          show_progress: bool = True, layer_ids: Sequence[int] | None = None,
                          dtype: torch.dtype | None = None) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftheads.data.hidden_states import layer_features
+from draftheads.data.hidden_states import batch_features
 from draftheads.drafters.dflash.model import DFlashDraftModel, block_labels, dflash_loss, sample_anchors
 from draftheads.training.spine import ModuleStrategy
 
@@ -23,10 +23,7 @@ class _DFlashModule(nn.Module):
         self.max_anchors, self.decay = max_anchors, decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        features = batch.get("target_features")
-        if features is None:  # online: the frozen target runs without autograd
-            features = layer_features(self.frozen[0], batch["input_ids"], batch["attention_mask"],
-                                      self.drafter.target_layer_ids)
+        features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
         anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
         hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
         labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)

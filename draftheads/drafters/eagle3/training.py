@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from draftheads.data.hidden_states import layer_features
+from draftheads.data.hidden_states import batch_features
 from draftheads.drafters.eagle3.model import Eagle3DraftModel, eagle3_loss
 from draftheads.training.spine import ModuleStrategy
 
@@ -22,10 +22,7 @@ class _Eagle3Module(nn.Module):
         self.steps, self.decay = steps, decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        features = batch.get("target_features")
-        if features is None:  # online: the frozen target runs without autograd
-            features = layer_features(self.frozen[0], batch["input_ids"], batch["attention_mask"],
-                                      self.drafter.target_layer_ids)
+        features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
         hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], self.steps)
         return eagle3_loss(self.drafter, hidden, batch["input_ids"], batch["loss_mask"], self.decay)
 
