@@ -36,6 +36,8 @@ class GenerationSettings:
     """Budget per answer in tokens; an answer cut there is kept and marked unfinished."""
     temperature: float = 0.0
     """0 = greedy, the distribution the greedy evaluator measures; > 0 samples."""
+    top_k: int = 0
+    """Sample among the k most likely tokens (0: all)."""
     top_p: float = 1.0
     batch_size: int = 32
     """Conversations answered together (one generate() call per turn, or concurrent requests per chunk); a
@@ -133,7 +135,8 @@ def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationS
     with explicit_generation(model):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
                              do_sample=sampling, temperature=settings.temperature if sampling else None,
-                             top_p=settings.top_p if sampling else None, top_k=None, pad_token_id=pad,
+                             top_p=settings.top_p if sampling else None,
+                             top_k=settings.top_k or None if sampling else None, pad_token_id=pad,
                              eos_token_id=sorted(stop) or None)
     results = []
     for row in out[:, width:].tolist():
@@ -145,7 +148,9 @@ def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationS
 class OpenAIBackend:
     """Any OpenAI-compatible chat-completions server (``vllm serve``, SGLang, TGI's Messages API) through the
     ``openai`` client: ``concurrency`` requests in flight, each retried ``max_retries`` times with backoff by the
-    client. ``finished`` is the server's ``finish_reason == "stop"``. A reasoning model's ``reasoning_content``
+    client. ``finished`` is the server's ``finish_reason == "stop"``. Every sampling field a server may take from
+    the model's ``generation_config.json`` (vLLM's default ``--generation-config auto`` does) is sent explicitly,
+    so the server decodes with the settings given and nothing else. A reasoning model's ``reasoning_content``
     is kept as ``reasoning`` says (:class:`Reasoning`, resolved for the target's chat template), so the trained
     answer and the next turn's history hold it where the template renders it."""
 
@@ -161,7 +166,9 @@ class OpenAIBackend:
         try:
             reply = self.client.chat.completions.create(
                 model=self.model, messages=history, max_tokens=self.settings.max_new_tokens,
-                temperature=self.settings.temperature, top_p=self.settings.top_p, seed=self.settings.seed)
+                temperature=self.settings.temperature, top_p=self.settings.top_p, seed=self.settings.seed,
+                presence_penalty=0.0, frequency_penalty=0.0,
+                extra_body={"top_k": self.settings.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0})
             choice = reply.choices[0]
             return self._turn(choice.message.content or "", getattr(choice.message, "reasoning_content", None)), \
                 choice.finish_reason == "stop"

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from draftheads.choice import Choice
+from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_template_text
 
 
@@ -53,6 +55,10 @@ class TargetSpec:
     chat_template: str | None = None
     """A Jinja chat template replacing the tokenizer's own, for a base model without one or a template that
     mishandles the data: the text, a shipped template's name (``gemma3``...) or a path to a file holding one."""
+    generation_defaults: GenerationDefaults = GenerationDefaults.ignore
+    """The decoding defaults of the target's ``generation_config.json``: ignore (every path decodes with the
+    configured settings; the defaults are reported) or apply (its do_sample/temperature/top_k/top_p become the
+    sampling of regeneration and of every evaluated method; any other default is refused before any work)."""
     tiny: TinySpec = field(default_factory=TinySpec)
     """Sizes of the tiny random target built when ``name_or_path`` is ``tiny://<family>`` (ignored otherwise)."""
 
@@ -181,6 +187,16 @@ def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedMode
     model = AutoModelForCausalLM.from_pretrained(path, revision=spec.revision, dtype=torch_dtype(spec.dtype))
     model.eval().requires_grad_(False)
     return model, tokenizer, path
+
+
+def load_generation_config(spec: TargetSpec, cache_dir: str | Path) -> GenerationConfig:
+    """The target's ``generation_config`` without its weights (when a server answers for it):
+    ``generation_config.json``, else what transformers derives from ``config.json``."""
+    path = resolve_target_path(spec, cache_dir)
+    try:
+        return GenerationConfig.from_pretrained(path, revision=spec.revision)
+    except OSError:
+        return GenerationConfig.from_model_config(AutoConfig.from_pretrained(path, revision=spec.revision))
 
 
 def model_identity(model: PreTrainedModel, spec: TargetSpec) -> dict:

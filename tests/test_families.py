@@ -6,22 +6,26 @@ exports read back. A new family is one ``FAMILIES`` entry plus its end-of-turn t
 
 import copy
 import json
+import shutil
+from dataclasses import replace
 
 import pytest
 import torch
 
 from draftheads import drafters
 from draftheads.data.conversations import Chat
-from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, prompt_ids
+from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, generate_ids, prompt_ids
 from draftheads.data.templates import chat_tokens, stop_token_ids
 from draftheads.drafters.medusa.export import load_tgi_medusa
 from draftheads.evaluation.methods import load_eval_sets
+from draftheads.jobs.evaluate import evaluate_run
 from draftheads.jobs.runs import open_run
-from draftheads.models.speculative import plain_decode
+from draftheads.models.decoding import cut_at_stop
+from draftheads.models.speculative import Sampling, plain_decode
 from draftheads.models.target import TargetSpec, load_target
 from draftheads.models.tiny import FAMILIES
 from draftheads.packaged import chitchat_conversations
-from draftheads.training.config import to_schema
+from draftheads.training.config import apply_generation_defaults, to_schema
 from tests.helpers import run_dflash, run_eagle3, run_medusa, smoke
 
 TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
@@ -154,3 +158,44 @@ def test_exports_load_back_strictly(family, jobs):
         assert json.loads((folder / "report.json").read_text())["eval"].keys() == report["eval"].keys()
     heads = load_tgi_medusa(jobs["medusa"][0] / "export" / "tgi")
     assert heads.vocab_size == len(family[2])
+
+
+APPLIED = {"llama": (0.0, 0, 1.0), "llama3": (0.6, 0, 0.9), "qwen3": "repetition_penalty", "gemma3": (1.0, 64, 0.95),
+           "mistral": (0.0, 0, 1.0), "phi3": (0.0, 0, 1.0)}
+"""What ``model.generation_defaults=apply`` makes of each family's ``generation_config``: ``(temperature, top_k,
+top_p)`` for regeneration and every evaluated method, or the default it refuses."""
+
+
+def test_generation_defaults_apply_to_every_path_or_are_refused(family, jobs, tmp_path):
+    """On request the target's sampling defaults become regeneration's and the evaluation's settings, sampled as
+    the target's own ``generate`` samples with them; a default no path can apply is refused, never applied to
+    some paths only."""
+    name, model, tokenizer = family
+    folder = tmp_path / "run"
+    shutil.copytree(jobs["medusa"][0], folder)
+    apply = ["model.generation_defaults=apply", "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]",
+             "eval.max_new_tokens=8", "eval.peers=[]"]
+    if isinstance(APPLIED[name], str):
+        with pytest.raises(ValueError, match=APPLIED[name]):
+            evaluate_run(folder, apply)
+        return
+    conf = to_schema(smoke("medusa", "x", "y", f"model.name_or_path=tiny://{name}", "model.generation_defaults=apply"))
+    apply_generation_defaults(conf, model.generation_config)
+    generation = conf.data.generation
+    assert (generation.temperature, generation.top_k, generation.top_p) == APPLIED[name]
+    assert conf.eval.samplings() == [Sampling(*APPLIED[name], conf.eval.proposal)]
+    stop, ids = stop_token_ids(tokenizer, model.generation_config), prompt_ids(tokenizer, "Tell me about your day")
+    torch.manual_seed(0)  # top_k passed: where the config sets none, transformers' generate adds its own 50
+    own = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=12, pad_token_id=tokenizer.pad_token_id, top_k=generation.top_k)[0, len(ids):]
+    torch.manual_seed(0)
+    ((ours, _),) = generate_ids(model, tokenizer, [ids], replace(generation, max_new_tokens=12), stop)
+    assert ours == cut_at_stop(own.tolist(), 12, stop)[0]
+    if generation.temperature > 0:  # it really sampled
+        assert ours != plain_decode(model, torch.tensor(ids), 12, stop).tokens
+    report = evaluate_run(folder, apply)
+    key = "chitchat" if generation.temperature == 0 else f"chitchat@T{generation.temperature:g}"
+    assert report["eval"][key]["decoding"]["generation_defaults"] == "apply"
+    sampling = report["eval"][key]["sampling"]
+    assert (sampling["temperature"], sampling["top_k"], sampling["top_p"]) == APPLIED[name]
+

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from draftheads.data.conversations import first_user_prompts
 from draftheads.data.regenerate import prompt_ids
 from draftheads.data.templates import stop_token_ids
-from draftheads.models.decoding import generation_defaults
+from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
 NOTES = ("acceptance_length (tau) = 1 + drafts accepted per verification step, counted before the token budget and "
@@ -45,12 +45,15 @@ def eval_prompts(set_cfg) -> list:
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
                  tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0,
-                 peers: dict[str, Callable[[torch.Tensor], DecodeResult]] | None = None, desc: str = "eval") -> dict:
+                 peers: dict[str, Callable[[torch.Tensor], DecodeResult]] | None = None, desc: str = "eval",
+                 defaults: GenerationDefaults = GenerationDefaults.ignore) -> dict:
     """Decode every prompt with the baseline, the chain drafter and each peer; return the set's metrics.
 
     Args:
         peers: other methods measured on the same prompts, ``name -> decode(prompt_ids, generator) ->
             DecodeResult`` (tree verification, prompt lookup...); reported under ``peers``.
+        defaults: whether ``sampling`` came from the target's ``generation_config`` (recorded under
+            ``decoding`` beside those defaults and the stop set).
     With sampling, every method draws from seeded generators; ``greedy_match`` then only says how often two
     independent samples coincide and is reported as None.
     """
@@ -81,7 +84,8 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     metrics["method"] = drafter.name
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                            "proposal": sampling.proposal}
-    metrics["decoding"] = {"stop_token_ids": sorted(stop), "ignored_generation_defaults": generation_defaults(target)}
+    metrics["decoding"] = {"stop_token_ids": sorted(stop), "generation_defaults": str(defaults),
+                           "target_generation_defaults": generation_defaults(target.generation_config)}
     return metrics
 
 

@@ -7,6 +7,7 @@ from typing import Callable
 
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import eval_prompts, evaluate_set
+from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.speculative import Sampling, prompt_lookup_decode
 
 
@@ -23,11 +24,12 @@ def load_eval_sets(eval_cfg) -> dict[str, list]:
 
 
 def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, drafter,
-                     peers_at: Callable[[Sampling], dict]) -> dict:
+                     peers_at: Callable[[Sampling], dict],
+                     defaults: GenerationDefaults = GenerationDefaults.ignore) -> dict:
     """Speculative evaluation of ``drafter`` on every eval set at every temperature in ``eval.temperatures``:
     ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
     measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``), kept to ``eval.peers``
-    when that is set. Raises ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
+    when that is set; ``defaults`` says whether the sampling is the target's own (recorded). Raises ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
     samplings = eval_cfg.samplings()
     offered = [peers_at(sampling) for sampling in samplings]
     if eval_cfg.peers is not None:
@@ -41,7 +43,8 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
         for name, prompts in eval_sets.items():
             key = name if sampling.greedy else f"{name}@T{sampling.temperature:g}"
             results[key] = evaluate_set(target, tokenizer, drafter, prompts, eval_cfg.max_new_tokens,
-                                        eval_cfg.tie_tolerance, sampling, eval_cfg.seed, peers, desc=f"eval {key}")
+                                        eval_cfg.tie_tolerance, sampling, eval_cfg.seed, peers, desc=f"eval {key}",
+                                        defaults=defaults)
     return results
 
 

@@ -10,8 +10,8 @@ from omegaconf import DictConfig
 from draftheads.data.batching import DataReport
 from draftheads.data.pipeline import make_backend, read_chats
 from draftheads.data.regenerate import cache_key, regenerate
-from draftheads.models.target import load_target, load_tokenizer
-from draftheads.training.config import RegenerateConfig, to_schema
+from draftheads.models.target import load_generation_config, load_target, load_tokenizer
+from draftheads.training.config import RegenerateConfig, apply_generation_defaults, to_schema
 
 
 def regenerate_data(cfg: DictConfig) -> dict[str, int]:
@@ -21,6 +21,8 @@ def regenerate_data(cfg: DictConfig) -> dict[str, int]:
         target, (tokenizer, path) = None, load_tokenizer(conf.model, conf.cache_dir)
     else:
         target, tokenizer, path = load_target(conf.model, conf.cache_dir)
+    apply_generation_defaults(conf, target.generation_config if target is not None else
+                              load_generation_config(conf.model, conf.cache_dir))
     report = DataReport()
     chats = read_chats(conf.data, tokenizer, report, "train", conf.limit if conf.limit is not None else 2 ** 62)
     tokenized = [c for c in chats if c.tokens is not None]

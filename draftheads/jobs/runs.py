@@ -16,6 +16,7 @@ from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import load_target, resolve_target_path
+from draftheads.training.config import apply_generation_defaults
 from draftheads.training.job import TARGET_FILE
 from draftheads.training.recipe import Recipe, Trained
 
@@ -51,6 +52,7 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
     recipe = drafters.of_run(folder)
     conf = run_config(folder, recipe, overrides)
     target, tokenizer, path = load_target(recipe.target_of(folder, conf), conf.cache_dir)
+    apply_generation_defaults(conf, target.generation_config)
     return SavedRun(folder, recipe, conf, target, tokenizer, path, recipe.load(folder, conf, target, weights))
 
 
@@ -140,4 +142,4 @@ def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, 
         own |= peer_methods(conf, list(peers), tokenizer, sampling, {drafter.name, *own}, target)
         return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
 
-    return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at)
+    return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at, conf.model.generation_defaults)

@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from draftheads.choice import Choice
 from draftheads.data.regenerate import GenerationSettings, Reasoning
 from draftheads.data.sources import PromptSource, Source
+from draftheads.models.decoding import GenerationDefaults, target_sampling
 from draftheads.models.speculative import Proposal, Sampling
 from draftheads.models.target import Dtype, TargetSpec
 
@@ -305,6 +306,20 @@ class RegenerateConfig:
     """Rows read from the source (null: all)."""
     cache_dir: str = "${oc.env:DRAFTHEADS_CACHE,${oc.env:HOME}/.cache/draftheads}"
     """Converted models (GGUF targets)."""
+
+
+def apply_generation_defaults(conf, generation_config) -> None:
+    """With ``model.generation_defaults=apply``, the target's sampling defaults (``generation_config``'s
+    do_sample, temperature, top_k, top_p: :func:`~draftheads.models.decoding.target_sampling`) replace
+    ``data.generation``'s and, on a :class:`RunConfig`, the evaluation's (one temperature) in place; with
+    ``ignore`` nothing changes. Raises ``ValueError`` for a default no path can apply."""
+    if conf.model.generation_defaults != GenerationDefaults.apply:
+        return
+    temperature, top_k, top_p = target_sampling(generation_config)
+    conf.data.generation = dataclasses.replace(conf.data.generation, temperature=temperature, top_k=top_k,
+                                               top_p=top_p)
+    if isinstance(conf, RunConfig):
+        conf.eval = dataclasses.replace(conf.eval, temperatures=[temperature], top_k=top_k, top_p=top_p)
 
 
 def to_schema(cfg: DictConfig):

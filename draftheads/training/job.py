@@ -20,10 +20,10 @@ from draftheads.data.pipeline import self_distilled_rows
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.models.decoding import generation_defaults
+from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.target import load_target, model_identity, weights_sample
 from draftheads.training.checkpoint import latest_checkpoint
-from draftheads.training.config import HiddenStates, RunConfig, to_schema
+from draftheads.training.config import HiddenStates, RunConfig, apply_generation_defaults, to_schema
 from draftheads.training.recipe import Recipe
 from draftheads.training.runtime import make_accelerator, print0
 
@@ -85,10 +85,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                         f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
-    stop, ignored = stop_token_ids(tokenizer, target.generation_config), generation_defaults(target)
-    print0(accelerator, f"decoding: stops at {tokenizer.convert_ids_to_tokens(sorted(stop))}"
-                        + (f"; the target's generation_config defaults {ignored} are ignored: every path decodes "
-                           "with the configured settings" if ignored else ""))
+    apply_generation_defaults(conf, target.generation_config)
+    print0(accelerator, decoding_line(conf, target, tokenizer))
     if recipe is not None:
         recipe.check(conf, target)
     resume = latest_checkpoint(out, identity, recipe.stages if recipe else ()) if conf.resume else None
@@ -96,6 +94,20 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
         (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+
+
+def decoding_line(conf, target, tokenizer) -> str:
+    """What every path decodes with: the stop set, and the target's ``generation_config`` defaults ignored or
+    applied (:func:`~draftheads.training.config.apply_generation_defaults`)."""
+    stop, defaults = stop_token_ids(tokenizer, target.generation_config), generation_defaults(target.generation_config)
+    line = f"decoding: stops at {tokenizer.convert_ids_to_tokens(sorted(stop))}"
+    if conf.model.generation_defaults == GenerationDefaults.apply:
+        g = conf.data.generation
+        return line + (f"; the target's generation_config defaults {defaults} are applied: temperature "
+                       f"{g.temperature:g}, top_k {g.top_k}, top_p {g.top_p:g} in regeneration and every evaluated "
+                       f"method")
+    return line + (f"; the target's generation_config defaults {defaults} are ignored (model.generation_defaults="
+                   f"apply applies them): every path decodes with the configured settings" if defaults else "")
 
 
 def claim_output_dir(out: Path, overwrite: bool, delete: bool) -> None:

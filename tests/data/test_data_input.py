@@ -12,7 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from draftheads.data.conversations import BadRow, load_chats
+from draftheads.data.conversations import BadRow, Chat, load_chats
 from draftheads.data.pipeline import self_distilled_rows
 from draftheads.data.regenerate import GenerationSettings, OpenAIBackend, answer_turns
 from draftheads.data.sources import PromptSource
@@ -149,12 +149,15 @@ def test_mixtures_draw_rows_in_proportion_to_their_weights(tiny, tmp_path):
 
 class FakeServer(BaseHTTPRequestHandler):
     """An OpenAI-compatible chat-completions endpoint: answers "echo: <last user turn>"; "flaky" fails with 500
-    once, "broken" always (while ``broken`` is set); a turn starting with "think" also gets reasoning_content."""
+    once, "broken" always (while ``broken`` is set); a turn starting with "think" also gets reasoning_content.
+    ``last_body`` is the last request."""
     seen: dict[str, int] = {}
     broken = True
+    last_body: dict = {}
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeServer.last_body = body
         last = body["messages"][-1]["content"]
         FakeServer.seen[last] = FakeServer.seen.get(last, 0) + 1
         if (last == "flaky" and FakeServer.seen[last] == 1) or (last == "broken" and FakeServer.broken):
@@ -204,6 +207,20 @@ def test_server_backend_answers_turn_by_turn_retries_and_reports_failures(server
     assert results[3].unfinished == [1] and results[3].messages[1]["content"] == f"echo: {long_prompt}"
 
 
+def test_server_backend_sends_every_sampling_field_a_server_could_take_from_generation_config(server):
+    """vLLM's default --generation-config auto fills every sampling field a request leaves out from the model's
+    generation_config.json (a repetition_penalty, top_k): each is sent, so the server decodes as configured."""
+    settings = GenerationSettings(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=5, seed=3)
+    answer_turns(OpenAIBackend(server, "m", settings, max_retries=0), [Chat("t", 0, ({"role": "user", "content": "x"},))])
+    sent = {k: FakeServer.last_body.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                                                     "presence_penalty", "frequency_penalty", "max_tokens", "seed")}
+    assert sent == {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0,
+                    "presence_penalty": 0.0, "frequency_penalty": 0.0, "max_tokens": 5, "seed": 3}
+    answer_turns(OpenAIBackend(server, "m", GenerationSettings(), max_retries=0),
+                 [Chat("t", 0, ({"role": "user", "content": "x"},))])
+    assert FakeServer.last_body["top_k"] == -1 and FakeServer.last_body["temperature"] == 0.0  # -1: top-k off
+
+
 @pytest.mark.parametrize("mode, template, turn", [
     ("inline", None, {"content": "<think>\npondering think twice\n</think>\n\necho: think twice"}),
     ("field", None, {"content": "echo: think twice", "reasoning_content": "pondering think twice"}),
@@ -216,7 +233,6 @@ def test_server_backend_answers_turn_by_turn_retries_and_reports_failures(server
 def test_a_reasoning_models_reasoning_is_kept_where_the_template_renders_it(server, mode, template, turn):
     """Servers return a reasoning model's reasoning apart from the answer; it is trained and carried into the next
     turn's history as the template renders it (data.reasoning), not dropped."""
-    from draftheads.data.conversations import Chat
     from draftheads.data.regenerate import Reasoning, resolve_reasoning
     reasoning = resolve_reasoning(Reasoning(mode), template)
     backend = OpenAIBackend(server, "m", GenerationSettings(), max_retries=0, reasoning=reasoning)
