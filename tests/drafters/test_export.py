@@ -180,3 +180,36 @@ def test_save_heads_round_trip(tmp_path, per_head):
     _rewrite(tmp_path / "medusa_heads.safetensors", lambda t: t.update(extra=torch.zeros(1)))
     with pytest.raises(ValueError, match=r"medusa_heads.safetensors: unexpected tensors \['extra'\]"):
         load_heads(tmp_path)
+
+
+def test_the_reference_trainers_mlp_only_layout_reads_as_heads_on_the_targets_lm_head(tmp_path):
+    """FasterDecoding/Medusa's current trainer (``train_legacy.py``) saves ``medusa_head.state_dict()`` of
+    ``ModuleList(Sequential(ResBlock))`` without per-head LM heads, and a ``MedusaConfig`` with ``"version": "2"``;
+    TGI serves it through ``MedusaHeadV2`` with the target's LM head. Read, it gives the same logits."""
+    _, lm_head = make(False)
+    heads = MedusaHeads(D, V, K, 1)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    reference = {f"{i}.0.linear.{p}": getattr(heads.blocks[i][0].linear, p).detach().clone()
+                 for i in range(K) for p in ("weight", "bias")}
+    folder = tmp_path / "medusa_mlp_vicuna_medusa_3_lr_0.001_layers_1"
+    folder.mkdir()
+    save_file(reference, folder / "medusa_lm_head.safetensors")
+    config = {"medusa_num_heads": K, "medusa_num_layers": 1, "base_model_name_or_path": "lmsys/vicuna-7b-v1.3",
+              "version": "2", "transformers_version": "4.34.1"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+    loaded = load_tgi_medusa(folder, vocab_size=V)
+    assert not loaded.per_head_lm_head and (loaded.num_heads, loaded.num_layers, loaded.vocab_size) == (K, 1, V)
+    torch.testing.assert_close(logits(loaded, lm_head), logits(heads, lm_head), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="pass the target's vocab_size"):
+        load_tgi_medusa(folder)
+    (folder / "config.json").write_text(json.dumps({**config, "medusa_num_layers": 2}))
+    with pytest.raises(ValueError, match="medusa_num_layers 1"):
+        load_tgi_medusa(folder, vocab_size=V)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({**reference, "3.0.linear.weight": reference["0.0.linear.weight"].clone()},
+              folder / "medusa_lm_head.safetensors")
+    with pytest.raises(ValueError, match="3.0.linear.weight"):
+        load_tgi_medusa(folder, vocab_size=V)

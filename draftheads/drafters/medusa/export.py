@@ -207,12 +207,19 @@ def export_tgi_medusa(heads: MedusaHeads, lm_head_weight: torch.Tensor, folder, 
     return _write(folder, TGI_WEIGHTS, tensors, "config.json", config)
 
 
-def load_tgi_medusa(folder) -> MedusaHeads:
-    """Read an :func:`export_tgi_medusa` folder back as ``MedusaHeads`` with ``per_head_lm_head=True``.
+def load_tgi_medusa(folder, vocab_size: int | None = None) -> MedusaHeads:
+    """Read a TGI Medusa folder as ``MedusaHeads``, in either layout TGI serves (``layers/medusa.py``: it tries
+    ``MedusaHeadV1``, then ``MedusaHeadV2``):
 
-    D and V come from ``0.0.linear.weight`` and ``0.{L}.weight`` (the config has neither). Raises ``ValueError``
-    naming the file and key for a missing or mistyped config field, an ``architectures`` key, or a missing,
-    unexpected or misshaped tensor.
+    - V1, what :func:`export_tgi_medusa` writes: ``{i}.{j}.linear`` blocks and a per-head LM head ``{i}.{L}``
+      (``per_head_lm_head=True``; D and V from ``0.0.linear.weight`` and ``0.{L}.weight``);
+    - V2, what FasterDecoding/Medusa's current trainer writes (``config.json`` ``"version": "2"``): the blocks only,
+      ``medusa_num_layers`` 1, logits through the target's own LM head (``per_head_lm_head=False``); the file has
+      no vocabulary size, so ``vocab_size`` (the target's) is required.
+
+    Raises ``ValueError`` naming the file and key for a missing or mistyped config field, an ``architectures``
+    key, a V2 folder without ``vocab_size`` or with more than one layer, or a missing, unexpected or misshaped
+    tensor.
     """
     path = Path(folder) / "config.json"
     config = _read_config(path, {"medusa_num_heads": int, "medusa_num_layers": int, "base_model_name_or_path": str})
@@ -221,11 +228,18 @@ def load_tgi_medusa(folder) -> MedusaHeads:
     K, L = config["medusa_num_heads"], config["medusa_num_layers"]
     weights = Path(folder) / TGI_WEIGHTS
     tensors = _read_tensors(weights)
-    for key in ("0.0.linear.weight", f"0.{L}.weight"):
-        if key not in tensors:
-            raise ValueError(f"{weights}: missing tensor {key!r}")
-    D, V = tensors["0.0.linear.weight"].shape[-1], tensors[f"0.{L}.weight"].shape[0]
-    return _load_heads(tensors, weights, K, L, D, V, TGI_LAYOUT)
+    if "0.0.linear.weight" not in tensors:
+        raise ValueError(f"{weights}: missing tensor '0.0.linear.weight'")
+    D = tensors["0.0.linear.weight"].shape[-1]
+    if f"0.{L}.weight" in tensors:
+        return _load_heads(tensors, weights, K, L, D, tensors[f"0.{L}.weight"].shape[0], TGI_LAYOUT)
+    if L != 1:
+        raise ValueError(f"{weights}: no per-head LM head '0.{L}.weight', and the MLP-only layout TGI reads "
+                         f"(MedusaHeadV2) has medusa_num_layers 1, but {path} says {L}")
+    if vocab_size is None:
+        raise ValueError(f"{weights}: MLP-only heads (no '0.{L}.weight'; config version {config.get('version')!r}) "
+                         f"use the target's LM head: pass the target's vocab_size to read them")
+    return _load_heads(tensors, weights, K, L, D, vocab_size, (TGI_LAYOUT[0], None))
 
 
 def save_heads(heads: MedusaHeads, folder, extra_config: dict) -> Path:
@@ -265,15 +279,16 @@ def load_heads(folder) -> tuple[MedusaHeads, dict]:
     return heads, {k: v for k, v in config.items() if k not in _HEADS_FIELDS}
 
 
-def load_any_heads(folder) -> MedusaHeads:
+def load_any_heads(folder, vocab_size: int | None = None) -> MedusaHeads:
     """Heads from a folder in any format written here, told apart by its files: draftheads' own
-    (``medusa_heads.json``), TGI's (``medusa_lm_head.safetensors``) or vLLM's (``model.safetensors``), each
-    read by its strict loader. Raises ``FileNotFoundError`` for a folder in none of them."""
+    (``medusa_heads.json``), TGI's (``medusa_lm_head.safetensors``, either layout: :func:`load_tgi_medusa`, which
+    takes the target's ``vocab_size``) or vLLM's (``model.safetensors``), each read by its strict loader. Raises
+    ``FileNotFoundError`` for a folder in none of them."""
     folder = Path(folder)
     if (folder / HEADS_CONFIG).exists():
         return load_heads(folder)[0]
     if (folder / TGI_WEIGHTS).exists():
-        return load_tgi_medusa(folder)
+        return load_tgi_medusa(folder, vocab_size)
     if (folder / VLLM_WEIGHTS).exists():
         return load_vllm_medusa(folder)
     raise FileNotFoundError(f"{folder} holds no Medusa heads ({HEADS_CONFIG}, {TGI_WEIGHTS} or {VLLM_WEIGHTS} "

@@ -114,7 +114,7 @@ class Medusa:
             raise FileNotFoundError(f"{run_dir} holds no finished Medusa run (medusa_heads/ expected)")
         heads, saved = load_heads(folder)
         if weights is not None:
-            heads = load_any_heads(Path(run_dir) / weights)
+            heads = load_any_heads(Path(run_dir) / weights, target.config.vocab_size)
         heads.check_target(target.config.hidden_size, target.config.vocab_size, where=str(run_dir))
         return Trained(heads.to(device=target.device, dtype=target.dtype).eval(), saved=saved)
 
