@@ -16,7 +16,6 @@ from draftheads import drafters
 from draftheads.data.conversations import Chat
 from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, generate_ids, prompt_ids
 from draftheads.data.templates import chat_tokens, stop_token_ids
-from draftheads.drafters.dflash.model import DFlashDraftModel, choose_mask_token
 from draftheads.drafters.medusa.export import load_tgi_medusa
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.jobs.evaluate import evaluate_run
@@ -200,24 +199,3 @@ def test_generation_defaults_apply_to_every_path_or_are_refused(family, jobs, tm
     sampling = report["eval"][key]["sampling"]
     assert (sampling["temperature"], sampling["top_k"], sampling["top_p"]) == APPLIED[name]
 
-
-def test_dflash_draft_layers_can_start_as_the_targets_last_layers(family):
-    """dflash.init=target: each draft layer's attention and MLP projections compute what the target's layer
-    L - n + i computes (Phi-3's fused qkv_proj and gate_up_proj split); a fresh drafter does not."""
-    _, model, tokenizer = family
-    drafter = DFlashDraftModel.for_target(model, 2, 4, [0, 1], choose_mask_token(tokenizer, model.config.vocab_size))
-    x = torch.randn(3, model.config.hidden_size)
-
-    def outputs(layer):
-        attn, mlp = layer.self_attn, layer.mlp
-        if hasattr(attn, "qkv_proj"):
-            return torch.cat([attn.qkv_proj(x), attn.o_proj(attn.qkv_proj.weight.new_ones(3, attn.o_proj.in_features)),
-                              mlp.gate_up_proj(x), mlp.down_proj(x.new_ones(3, mlp.down_proj.in_features))], -1)
-        return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), attn.o_proj(x.new_ones(3, attn.o_proj.in_features)),
-                          mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj(x.new_ones(3, mlp.down_proj.in_features))], -1)
-
-    last = model.get_decoder().layers[-2:]
-    assert not torch.allclose(outputs(drafter.layers[1]), outputs(last[1]))
-    drafter.init_from_target_layers(model)
-    for mine, theirs in zip(drafter.layers, last):
-        torch.testing.assert_close(outputs(mine), outputs(theirs))

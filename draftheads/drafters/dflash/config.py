@@ -15,15 +15,6 @@ class Attention(Choice):
     sdpa = "sdpa"
 
 
-class Init(Choice):
-    """How the draft layers start (``dflash.init``)."""
-    random = "random"
-    """Linear weights ~ N(0, initializer_range), norms at one."""
-    target = "target"
-    """Draft layer i starts as the target's decoder layer L - num_layers + i (its attention and MLP projections;
-    the norms at one, because norm parametrisations differ between families: Gemma scales by 1 + w)."""
-
-
 @dataclass
 class DFlashConfig:
     """The DFlash drafter (arXiv 2602.06036) and how it trains and drafts."""
@@ -31,8 +22,6 @@ class DFlashConfig:
     """The anchor plus block_size - 1 drafted tokens per target forward (draft length gamma = block_size - 1)."""
     num_layers: int = 1
     """Draft decoder layers (the paper uses 1-5)."""
-    init: Init = Init.random
-    """Draft layers from random weights or from the target's last layers (see :class:`Init`)."""
     num_target_features: int = 5
     """K target layers read, spaced evenly from layer 1 to L-3 (ignored when target_layer_ids is set)."""
     target_layer_ids: list[int] | None = None

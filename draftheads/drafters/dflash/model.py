@@ -110,13 +110,6 @@ def draft_config(target_config, num_layers: int, block_size: int, target_layer_i
     return config
 
 
-DRAFT_PROJECTIONS = tuple(f"{m}.{p}.weight" for m, ps in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
-                                                          ("mlp", ("gate_proj", "up_proj", "down_proj"))) for p in ps)
-"""A draft layer's projection weights, named as in every Llama-shaped decoder layer of transformers."""
-FUSED_PROJECTIONS = {"self_attn.qkv_proj.weight": DRAFT_PROJECTIONS[:3], "mlp.gate_up_proj.weight": DRAFT_PROJECTIONS[4:6]}
-"""Fused projections (Phi-3) and the weights they stack along the output dimension, in order."""
-
-
 class DFlashDraftModel(nn.Module):
     """The DFlash drafter: ``fc``, ``hidden_norm``, ``layers.{i}`` (Qwen3 decoder layers), ``norm``; the
     target's embedding table and LM head are held, frozen and unregistered.
@@ -162,28 +155,6 @@ class DFlashDraftModel(nn.Module):
         config = draft_config(target.config, num_layers, block_size, target_layer_ids, mask_token_id)
         model = cls(config, target.get_input_embeddings().weight, target.get_output_embeddings())
         return model.to(next(target.parameters()).device)
-
-    def init_from_target_layers(self, target: PreTrainedModel) -> None:
-        """``dflash.init=target``: draft layer i takes the attention and MLP projection weights of the target's
-        decoder layer L - num_layers + i (the last layers, which feed the final norm and the LM head the drafter
-        shares; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` are split); norms stay at one and projection
-        biases (Qwen2's) are not copied. Raises ``ValueError`` naming the weight when a target layer lacks one or
-        its shape differs from the draft layer's."""
-        source = target.get_decoder().layers[-len(self.layers):]
-        with torch.no_grad():
-            for i, (mine, theirs) in enumerate(zip(self.layers, source)):
-                own, given = dict(mine.named_parameters()), dict(theirs.named_parameters())
-                for fused, parts in FUSED_PROJECTIONS.items():
-                    if fused in given:
-                        given |= dict(zip(parts, given[fused].split([own[p].shape[0] for p in parts])))
-                for name in DRAFT_PROJECTIONS:
-                    if name not in given or given[name].shape != own[name].shape:
-                        raise ValueError(f"dflash.init=target: the target's decoder layer "
-                                         f"{target.config.get_text_config(decoder=True).num_hidden_layers - len(self.layers) + i} "
-                                         f"has no {name} of shape {tuple(own[name].shape)} "
-                                         f"({tuple(given[name].shape) if name in given else 'missing'}); use "
-                                         f"dflash.init=random")
-                    own[name].copy_(given[name])
 
     def _init_weights(self, std: float) -> None:
         for module in self.modules():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
-from draftheads.drafters.dflash.config import DFlashRunConfig, Init
+from draftheads.drafters.dflash.config import DFlashRunConfig
 from draftheads.drafters.dflash.export import export_dflash, load_dflash
 from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, default_decay,
                                               default_target_layer_ids)
@@ -64,8 +64,6 @@ class DFlash:
         mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
         drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, list(self.state_layers(conf, target)),
                                               mask)
-        if d.init == Init.target:
-            drafter.init_from_target_layers(target)
         if d.attention != "auto":
             drafter.attention = d.attention.value
         return drafter
