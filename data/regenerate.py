@@ -27,6 +27,7 @@ from draftheads.choice import Choice
 from draftheads.data.conversations import Chat
 from draftheads.data.templates import check_template, stop_token_ids
 from draftheads.models.decoding import cut_at_stop, explicit_generation
+from draftheads.models.partial import refuse_partial
 
 
 @dataclass
@@ -112,6 +113,9 @@ class TransformersBackend:
 
     @torch.inference_mode()
     def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool]]:
+        refuse_partial(self.model, "regenerating answers", "regenerate them first with the whole target "
+                                                           "(train/regenerate.py, or one run of the job), or set "
+                                                           "data.server to a server of the target")
         encoded = [prompt_ids(self.tokenizer, h) for h in histories]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out: list[tuple[dict, bool]] = [({}, False)] * len(encoded)

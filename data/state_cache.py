@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 from draftheads.data.batching import collate
 from draftheads.data.hidden_states import last_hidden_states, layer_features
+from draftheads.models.partial import named_weights
 from draftheads.models.target import torch_dtype
 
 MANIFEST = "manifest.json"
@@ -48,11 +49,12 @@ class CacheSpec:
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
-    """sha256 over every parameter's name, shape and bytes (seconds for a 135M model; run once per cache)."""
+    """sha256 over every parameter's name, shape and bytes (seconds for a 135M model; run once per cache and
+    per run that reads it; a partial target's unloaded tensors are read from its checkpoint one at a time)."""
     h = hashlib.sha256()
-    for name, p in model.state_dict().items():
-        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
-        h.update(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for name, shape, values in named_weights(model):
+        h.update(f"{name}{tuple(shape)}{values.dtype}".encode())
+        h.update(values.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -31,6 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 
 from draftheads.choice import Choice
 from draftheads.models.decoding import GenerationDefaults
+from draftheads.models.partial import load_partial_model, named_weights
 from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_template_text
 
 
@@ -59,6 +60,11 @@ class TargetSpec:
     """The decoding defaults of the target's ``generation_config.json``: ignore (every path decodes with the
     configured settings; the defaults are reported) or apply (its do_sample/temperature/top_k/top_p become the
     sampling of regeneration and of every evaluated method; any other default is refused before any work)."""
+    partial: bool = False
+    """Hold only the target's input embedding, final norm and LM head, read from its safetensors checkpoint (the
+    decoder layers are never allocated; :mod:`draftheads.models.partial`): for training from the offline state
+    cache (``data.hidden_states=offline``) with answers already regenerated, ``eval.enabled=false`` (evaluate
+    afterwards where the whole target fits) and no Medusa stage 2. Memory independent of the target's depth."""
     tiny: TinySpec = field(default_factory=TinySpec)
     """Sizes of the tiny random target built when ``name_or_path`` is ``tiny://<family>`` (ignored otherwise)."""
 
@@ -184,9 +190,20 @@ def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedMode
         FileNotFoundError: GGUF file or package missing; ``ValueError`` for a bad dtype.
     """
     tokenizer, path = load_tokenizer(spec, cache_dir)
+    if spec.partial:
+        return load_partial_model(_checkpoint_folder(path, spec.revision), torch_dtype(spec.dtype)), tokenizer, path
     model = AutoModelForCausalLM.from_pretrained(path, revision=spec.revision, dtype=torch_dtype(spec.dtype))
     model.eval().requires_grad_(False)
     return model, tokenizer, path
+
+
+def _checkpoint_folder(path: str, revision: str | None) -> Path:
+    """A local folder holding the target's config and safetensors: ``path`` itself, or a hub id's snapshot
+    (the files only: nothing is loaded)."""
+    if Path(path).is_dir():
+        return Path(path)
+    from huggingface_hub import snapshot_download
+    return Path(snapshot_download(path, revision=revision, allow_patterns=["*.json", "*.safetensors"]))
 
 
 def load_generation_config(spec: TargetSpec, cache_dir: str | Path) -> GenerationConfig:
@@ -210,9 +227,9 @@ def weights_sample(model: PreTrainedModel, count: int = 4096) -> str:
     """sha256 over every tensor's name, shape, dtype and first ``count`` values: tells two targets of the same
     architecture and sizes apart (another seed, another fine-tune) in milliseconds, whatever the model's size."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
-        h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(t.detach().flatten()[:count].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for name, shape, values in named_weights(model, count):
+        h.update(f"{name}{tuple(shape)}{values.dtype}".encode())
+        h.update(values.cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

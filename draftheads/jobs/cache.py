@@ -20,6 +20,9 @@ def cache_states(cfg: DictConfig) -> Path:
     Raises ``OSError`` (28) when the disk cannot hold it."""
     with open_dict(cfg):
         cfg.tracker.name = "none"  # a cache build is not a training run
+    if cfg.model.get("partial"):
+        raise ValueError("model.partial=true: the state cache is made by the whole target's forward (set "
+                         "model.partial=false for train/cache_hidden_states.py; training may then read it partially)")
     job = open_job(cfg)
     conf, accelerator, target = job.conf, job.accelerator, job.target
     recipe = drafters.get(conf.drafter)

@@ -21,6 +21,7 @@ from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
+from draftheads.models.partial import place
 from draftheads.models.target import load_target, model_identity, weights_sample
 from draftheads.training.checkpoint import latest_checkpoint
 from draftheads.training.config import HiddenStates, RunConfig, apply_generation_defaults, to_schema
@@ -67,6 +68,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     conf = to_schema(cfg)
     if recipe is not None and conf.drafter != recipe.name:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
+    if conf.model.partial:
+        check_partial(conf, recipe)
     out = Path(conf.output_dir)
     claim = recipe is not None and not conf.resume
     if claim:  # refused before the tracker starts a run there
@@ -80,7 +83,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
-    target.to(accelerator.device)
+    place(target, accelerator.device)
     set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
     identity = model_identity(target, conf.model)
     print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
@@ -94,6 +97,22 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
         (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+
+
+def check_partial(conf: RunConfig, recipe: Recipe | None) -> None:
+    """``model.partial=true`` trains from cached states only: ``ValueError`` saying what to change when the run
+    would run the target's decoder layers (states computed in the run or per batch, the evaluator), before any
+    work. Answers still to regenerate are refused where regeneration starts; a recipe refuses its own stages in
+    ``check`` (Medusa's stage 2)."""
+    if recipe is not None and not recipe.attach_states(conf):
+        raise ValueError(f"model.partial=true holds no decoder layer to compute features per batch with: set "
+                         f"{conf.drafter}.features=precomputed")
+    if conf.data.hidden_states != HiddenStates.offline:
+        raise ValueError("model.partial=true holds no decoder layer to compute states with: use "
+                         "data.hidden_states=offline with a cache made by train/cache_hidden_states.py (whole target)")
+    if conf.eval.enabled:
+        raise ValueError("model.partial=true: the evaluator decodes with the whole target; set eval.enabled=false and "
+                         "evaluate afterwards with train/evaluate.py RUN where the target fits")
 
 
 def decoding_line(conf, target, tokenizer) -> str:

@@ -14,6 +14,7 @@ from draftheads.drafters.medusa.export import (export_tgi_medusa, export_vllm_me
 from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
 from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, check_unfreeze
 from draftheads.drafters.medusa.validation import validate
+from draftheads.models.partial import refuse_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
@@ -29,7 +30,10 @@ class Medusa:
     vllm_weights = "export/vllm"
 
     def check(self, conf: MedusaRunConfig, target) -> None:
+        """Stage 2's unfrozen layers exist, and are held (``model.partial`` holds none)."""
         check_unfreeze(target, conf.stage2)
+        if conf.stage2.enabled:
+            refuse_partial(target, "stage 2", "set stage2.enabled=false (stage 1 trains from the cached states)")
 
     def state_layers(self, conf, target) -> None:
         return None

@@ -18,6 +18,7 @@ from draftheads.data.batching import collate
 from draftheads.data.hidden_states import last_hidden_states
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
 from draftheads.drafters.medusa.training import next_token_positions, self_distillation
+from draftheads.models.partial import is_partial
 
 
 TOPK_RANKS = 10
@@ -40,7 +41,8 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int,
     rank_hits = torch.zeros(heads.num_heads, TOPK_RANKS)
     for s in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[s:s + batch_size], pad_token_id).items()}
-        hidden = last_hidden_states(target, batch["input_ids"], batch["attention_mask"])
+        hidden = (batch["hidden_states"] if is_partial(target) else  # a partial target is the original
+                  last_hidden_states(target, batch["input_ids"], batch["attention_mask"]))
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)
         _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=1.0)
         states = heads.head_states(hidden)

@@ -1,0 +1,99 @@
+"""A partial target (``model.partial=true``): the input embedding, final norm and LM head only, read from the
+checkpoint; runs trained from the offline state cache with it never load the whole target, and train exactly
+what the whole target trains."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from draftheads.data.state_cache import weights_fingerprint
+from draftheads.jobs.cache import cache_states
+from draftheads.models.partial import is_partial, part_names
+from draftheads.models.target import TargetSpec, load_target, weights_sample
+from tests.helpers import SMOKE_STAGES, run_dflash, run_eagle3, run_medusa, smoke
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "gemma3", "phi3"])
+def test_a_partial_target_holds_its_ends_as_the_whole_target_does_and_nothing_else(family, cache_dir):
+    """Tied (SmolLM2-like, Gemma 3) and untied (Llama 3, Phi-3) embeddings; the fingerprints that tie caches and
+    runs to a target agree with the whole target's."""
+    spec = TargetSpec(name_or_path=f"tiny://{family}")
+    whole, _, _ = load_target(spec, cache_dir)
+    part, _, _ = load_target(TargetSpec(name_or_path=f"tiny://{family}", partial=True), cache_dir)
+    assert is_partial(part) and not is_partial(whole)
+    held = {n: p for n, p in part.named_parameters(remove_duplicate=False) if not p.is_meta}
+    assert sorted(held) == sorted(part_names(part))
+    full = dict(whole.named_parameters(remove_duplicate=False))
+    for name, p in held.items():
+        assert torch.equal(p, full[name]), name
+    V, D = whole.config.vocab_size, whole.config.hidden_size
+    tied = whole.config.tie_word_embeddings
+    assert sum(p.numel() for p in part.parameters() if not p.is_meta) == V * D * (1 if tied else 2) + D
+    assert (part.get_output_embeddings().weight is part.get_input_embeddings().weight) == tied
+    assert weights_sample(part) == weights_sample(whole) and weights_fingerprint(part) == weights_fingerprint(whole)
+    assert part.generation_config.to_dict() == whole.generation_config.to_dict()
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(Exception):  # a decoder layer has no weights to run
+        part(ids)
+
+
+def _no_whole_target(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the whole target was loaded")
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def _job(job, out, cache_dir, hs, *overrides):
+    own = {"medusa": [*SMOKE_STAGES, "stage2.enabled=false"], "dflash": ["train.epochs=1", "eval.peer_runs=[]"],
+           "eagle3": ["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"]}[job]
+    return smoke(job, out, cache_dir, *own, "eval.enabled=false", f"data.hidden_states_dir={hs}",
+                 "data.hidden_states_dtype=float32", *overrides)
+
+
+@pytest.mark.parametrize("job, run, saved", [("medusa", run_medusa, "medusa_heads/medusa_heads.safetensors"),
+                                             ("dflash", run_dflash, "export/dflash/model.safetensors"),
+                                             ("eagle3", run_eagle3, "export/eagle3/model.safetensors")])
+def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target_trains(
+        job, run, saved, tmp_path, cache_dir, monkeypatch):
+    hs = tmp_path / "hs"
+    cache_states(_job(job, tmp_path / "cache", cache_dir, hs))
+    whole = run(_job(job, tmp_path / "whole", cache_dir, hs, "data.hidden_states=offline"))
+    _no_whole_target(monkeypatch)
+    part = run(_job(job, tmp_path / "part", cache_dir, hs, "data.hidden_states=offline", "model.partial=true"))
+    def curves(report):
+        return {stage: [{k: v for k, v in point.items() if not k.startswith("perf/")} for point in curve]
+                for stage, curve in report["train_curves"].items()}
+    assert [c["step"] for c in next(iter(part["train_curves"].values()))]
+    assert curves(part) == curves(whole)
+    assert part["validation"] == whole["validation"]
+    a, b = load_file(tmp_path / "whole" / saved), load_file(tmp_path / "part" / saved)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "part" / "target.json").read_text()) == \
+        json.loads((tmp_path / "whole" / "target.json").read_text())
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.hidden_states=memory"], "data.hidden_states=offline"),
+    (["data.hidden_states=offline", "eval.enabled=true"], "eval.enabled=false"),
+    (["data.hidden_states=offline", "stage2.enabled=true"], "stage2.enabled=false"),
+])
+def test_what_needs_the_decoder_layers_is_refused_before_any_work(overrides, message, tmp_path, cache_dir):
+    conf = smoke("medusa", tmp_path / "run", cache_dir, "eval.enabled=false", "stage2.enabled=false",
+                 "model.partial=true", *overrides)
+    with pytest.raises(ValueError, match=message):
+        run_medusa(conf)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_online_features_and_regeneration_are_refused_naming_the_fix(tmp_path, cache_dir):
+    with pytest.raises(ValueError, match="dflash.features=precomputed"):
+        run_dflash(smoke("dflash", tmp_path / "a", cache_dir, "eval.enabled=false", "model.partial=true",
+                         "data.hidden_states=offline", "dflash.features=online"))
+    with pytest.raises(ValueError, match="regenerate them first"):  # a fresh cache: nothing regenerated yet
+        run_medusa(smoke("medusa", tmp_path / "b", tmp_path / "fresh-cache", "eval.enabled=false",
+                         "stage2.enabled=false", "model.partial=true", "data.hidden_states=offline"))
+    with pytest.raises(ValueError, match="model.partial=false"):
+        cache_states(smoke("medusa", tmp_path / "c", cache_dir, "model.partial=true"))
