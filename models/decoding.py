@@ -71,12 +71,13 @@ def generation_defaults(config: GenerationConfig | None) -> dict:
 
 
 def target_sampling(config: GenerationConfig | None) -> tuple[float, int, float]:
-    """``(temperature, top_k, top_p)`` of a target's ``generation_config`` as transformers' ``generate`` reads
-    it: greedy ``(0.0, 0, 1.0)`` unless ``do_sample`` is true, else temperature (1 when unset), top_k (0: off)
-    and top_p (1: off). A field the config does not set is off, as vLLM's ``--generation-config auto`` reads it
-    (``ModelConfig.get_diff_sampling_param``), not transformers' global ``top_k=50``. ``ValueError`` naming every default outside :data:`SAMPLING_FIELDS` (no path here
-    applies a ``repetition_penalty`` to speculative verification, so applying it to some paths would compare
-    two different decoders)."""
+    """``(temperature, top_k, top_p)`` a target's ``generation_config`` asks for: greedy ``(0.0, 0, 1.0)`` unless
+    ``do_sample`` is true, else its temperature (1 when unset), top_k (0: off) and top_p (1: off). A field the
+    config does not set is off, as vLLM reads the config (``--generation-config auto``,
+    ``ModelConfig.get_diff_sampling_param``); transformers' ``generate`` would add its global ``top_k=50``.
+    Raises ``ValueError`` naming every default outside :data:`SAMPLING_FIELDS` (no path here applies a
+    ``repetition_penalty`` to speculative verification, so applying it to some paths would compare two
+    different decoders)."""
     defaults = generation_defaults(config)
     refused = {k: v for k, v in defaults.items() if k not in SAMPLING_FIELDS}
     if refused:
