@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -94,30 +94,57 @@ def _complete(folder: Path, k: int) -> bool:
     return info.exists() and path.exists() and json.loads(info.read_text())["sha256"] == _sha256(path)
 
 
-def write_cache(model, rows: list[dict], folder: str | Path, spec: CacheSpec, shard_rows: int, batch_size: int,
-                pad_token_id: int, rank: int = 0, world_size: int = 1, show_progress: bool = True) -> list[int]:
-    """Write this rank's shards (skipping complete ones); returns the shard indices written now.
+StateSource = Callable[[list[dict]], list[torch.Tensor]]
+"""Target states for a list of rows: one ``[T_i, width]`` tensor per row, in the rows' order."""
+
+
+def forward_states(model, layer_ids: Sequence[int] | None, batch_size: int, pad_token_id: int,
+                   dtype: torch.dtype) -> StateSource:
+    """States from forwards of ``model`` in process: the last hidden state after the final norm (``layer_ids``
+    None) or the outputs of decoder layers ``layer_ids``, on the CPU in ``dtype``; rows run sorted by length,
+    ``batch_size`` at a time, right-padded (padding leaves positions unchanged)."""
+    device = next(model.parameters()).device
+
+    def states(rows: list[dict]) -> list[torch.Tensor]:
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]["input_ids"]))  # little padding per forward
+        out: list[torch.Tensor] = [torch.empty(0)] * len(rows)
+        for s in range(0, len(order), batch_size):
+            chunk = order[s:s + batch_size]
+            batch = collate([rows[i] for i in chunk], pad_token_id)
+            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+            got = (last_hidden_states(model, ids, mask) if layer_ids is None
+                   else layer_features(model, ids, mask, layer_ids)).to("cpu", dtype)
+            for j, i in enumerate(chunk):
+                out[i] = got[j, :len(rows[i]["input_ids"])]
+        return out
+    return states
+
+
+def pending_shards(folder: str | Path, n_rows: int, shard_rows: int, rank: int = 0, world_size: int = 1) -> list[int]:
+    """This rank's shard indices not yet complete in ``folder``."""
+    return [k for k in range(-(-n_rows // shard_rows)) if k % world_size == rank and not _complete(Path(folder), k)]
+
+
+def shard_indices(k: int, n_rows: int, shard_rows: int) -> list[int]:
+    """The row indices shard ``k`` holds."""
+    return list(range(k * shard_rows, min((k + 1) * shard_rows, n_rows)))
+
+
+def write_cache(states: StateSource, rows: list[dict], folder: str | Path, spec: CacheSpec, shard_rows: int,
+                rank: int = 0, world_size: int = 1, show_progress: bool = True) -> list[int]:
+    """Write this rank's shards (skipping complete ones) from ``states`` (:func:`forward_states`, or states
+    vLLM extracted: :mod:`draftheads.data.vllm_states`); returns the shard indices written now.
 
     The caller writes the manifest (:func:`write_manifest`) once every rank is done.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dtype = torch_dtype(spec.dtype)
-    device = next(model.parameters()).device
-    n_shards = -(-len(rows) // shard_rows)
-    mine = [k for k in range(n_shards) if k % world_size == rank and not _complete(folder, k)]
+    mine = pending_shards(folder, len(rows), shard_rows, rank, world_size)
     for k in tqdm(mine, desc="caching target states", unit="shard", disable=not show_progress):
-        indices = list(range(k * shard_rows, min((k + 1) * shard_rows, len(rows))))
-        order = sorted(indices, key=lambda i: len(rows[i]["input_ids"]))  # little padding per forward
-        tensors = {}
-        for s in range(0, len(order), batch_size):
-            chunk = order[s:s + batch_size]
-            batch = collate([rows[i] for i in chunk], pad_token_id)
-            ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
-            states = (last_hidden_states(model, ids, mask) if spec.layer_ids is None
-                      else layer_features(model, ids, mask, spec.layer_ids)).to("cpu", dtype)
-            for j, i in enumerate(chunk):
-                tensors[f"row{i}"] = states[j, :len(rows[i]["input_ids"])].contiguous()
+        indices = shard_indices(k, len(rows), shard_rows)
+        got = states([rows[i] for i in indices])
+        tensors = {f"row{i}": t.to("cpu", dtype).contiguous() for i, t in zip(indices, got)}
         path = folder / _shard_name(k)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         save_file(tensors, str(tmp))

@@ -26,6 +26,13 @@ run_dflash = partial(train, "dflash")
 run_eagle3 = partial(train, "eagle3")
 
 
+VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
+"""vLLM's environment for the tests that run vLLM (skipped without it)."""
+VLLM_TINY = ["model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
+             "model.tiny.intermediate_size=256"]
+"""The smoke target as vLLM's CPU attention takes it (head_dim >= 32; the smoke target has 16)."""
+
+
 def smoke(job: str, output_dir, cache_dir, *overrides: str):
     """``job``'s config with ``+experiment=smoke`` (tiny target, no tracker), the run in ``output_dir``."""
     with initialize_config_dir(config_dir=CONF, version_base=None):

@@ -6,6 +6,7 @@
     accelerate launch --multi_gpu --num_processes 8 train/cache_hidden_states.py data=ultrachat \
         data.hidden_states_dir=/scratch/hs data.hidden_states_dtype=bfloat16
     accelerate launch train/medusa.py data=ultrachat data.hidden_states=offline data.hidden_states_dir=/scratch/hs
+    python train/cache_hidden_states.py target_backend=vllm vllm.tensor_parallel_size=8   # vLLM runs the target
 
 Takes the training job's own config, so the rows are exactly the ones it trains on. Each rank writes its share
 of the shards; the estimated size is printed first. A killed run is resumed by running it again: complete

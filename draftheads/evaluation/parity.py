@@ -9,16 +9,12 @@ changes one acceptance, ~0.004 of tau over a 250-draft set).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from draftheads.data.templates import stop_token_ids
+from draftheads.data.vllm_states import run_in_vllm
 from draftheads.models.speculative import speculative_decode
 
 RUNNER = Path(__file__).resolve().with_name("vllm_runner.py")
@@ -42,13 +38,7 @@ def our_side(target, tokenizer, drafter, prompt_ids: list[list[int]], max_new_to
 def run_vllm(python: Path, job: dict) -> dict:
     """Run :mod:`~draftheads.evaluation.vllm_runner` on ``job`` with the vLLM environment's ``python``; its
     result (outputs and vLLM's counters)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job_file, result_file = Path(tmp) / "job.json", Path(tmp) / "result.json"
-        job_file.write_text(json.dumps(job))
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",)}
-        subprocess.run([python, str(RUNNER), str(job_file), str(result_file)], env=env,
-                       check=True, stdout=sys.stderr)
-        return json.loads(result_file.read_text())
+    return run_in_vllm(python, RUNNER, job)
 
 
 def acceptance(metrics: dict) -> tuple[float, list[float]]:

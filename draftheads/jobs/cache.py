@@ -9,7 +9,12 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from draftheads import drafters
-from draftheads.data.state_cache import estimated_bytes, write_cache, write_manifest
+from draftheads.data.state_cache import (estimated_bytes, forward_states, pending_shards, shard_indices, write_cache,
+                                         write_manifest)
+from draftheads.data.vllm_states import vllm_states
+from draftheads.evaluation.vllm_env import ensure_vllm
+from draftheads.models.target import torch_dtype
+from draftheads.training.config import TargetBackend
 from draftheads.training.job import close_job, job_rows, open_job, state_cache_dir, state_cache_spec
 from draftheads.training.runtime import print0
 
@@ -17,14 +22,25 @@ from draftheads.training.runtime import print0
 def cache_states(cfg: DictConfig) -> Path:
     """Cache the states of ``cfg``'s rows (each rank its share of the shards; the estimated size is printed
     first, and a cache larger than the free disk is refused before any work); returns the cache folder.
-    Raises ``OSError`` (28) when the disk cannot hold it."""
+    With ``target_backend=vllm`` vLLM computes them (one process: vLLM brings its own parallelism) and this
+    job holds only the target's ends (``model.partial``).
+
+    Raises ``OSError`` (28) when the disk cannot hold it; ``ValueError`` for ``model.partial`` with the
+    in-process target, or ``target_backend=vllm`` under several processes."""
+    vllm = cfg.get("target_backend") == TargetBackend.vllm.value
     with open_dict(cfg):
         cfg.tracker.name = "none"  # a cache build is not a training run
-    if cfg.model.get("partial"):
+        if vllm:
+            cfg.model.partial = True  # vLLM holds the target; this job its final norm and fingerprint
+    if cfg.model.get("partial") and not vllm:
         raise ValueError("model.partial=true: the state cache is made by the whole target's forward (set "
-                         "model.partial=false for train/cache_hidden_states.py; training may then read it partially)")
+                         "model.partial=false for train/cache_hidden_states.py, or target_backend=vllm; training "
+                         "may then read it partially)")
     job = open_job(cfg)
     conf, accelerator, target = job.conf, job.accelerator, job.target
+    if vllm and accelerator.num_processes > 1:
+        raise ValueError("target_backend=vllm runs the target with vLLM's own parallelism: launch one process and set "
+                         "vllm.tensor_parallel_size / pipeline_parallel_size / data_parallel_size")
     recipe = drafters.get(conf.drafter)
     layer_ids = recipe.state_layers(conf, target)
     train_rows, val_rows, _ = job_rows(job, attach=False, unusable=recipe.unusable)  # the rows training reads
@@ -36,16 +52,28 @@ def cache_states(cfg: DictConfig) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(folder).free
     print0(accelerator, f"caching {'layers ' + str(list(layer_ids)) if layer_ids else 'last hidden states'} of "
-                        f"{len(rows)} rows in {spec.dtype}: {size / 2**30:.2f} GiB estimated "
+                        f"{len(rows)} rows in {spec.dtype} ({conf.target_backend}): {size / 2**30:.2f} GiB estimated "
                         f"({size / max(len(rows), 1) / 2**20:.1f} MiB per row), {free / 2**30:.1f} GiB free at {folder}")
     if size > free:
         raise OSError(28, f"the cache needs ~{size / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free")
-    written = write_cache(target, rows, folder, spec, conf.data.cache_shard_rows, conf.trainer.hidden_states_batch_size,
-                          job.tokenizer.pad_token_id, accelerator.process_index, accelerator.num_processes,
+    shard_rows = conf.data.cache_shard_rows
+    if vllm:
+        pending = [rows[i] for k in pending_shards(folder, len(rows), shard_rows) for i in shard_indices(k, len(rows), shard_rows)]
+        cache = Path(conf.cache_dir).expanduser()
+        python = ensure_vllm(Path(conf.vllm.venv or cache / "vllm-venv"))
+        work = folder / "vllm-extracted"
+        states = vllm_states(python, target, job.target_path, pending, layer_ids, work,
+                             max(len(r["input_ids"]) for r in rows) + 1, conf.vllm.engine()) if pending else None
+    else:
+        states = forward_states(target, layer_ids, conf.trainer.hidden_states_batch_size, job.tokenizer.pad_token_id,
+                                torch_dtype(spec.dtype))
+    written = write_cache(states, rows, folder, spec, shard_rows, accelerator.process_index, accelerator.num_processes,
                           accelerator.is_main_process)
     print(f"[rank {accelerator.process_index}] wrote {len(written)} shards", flush=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        print(f"manifest: {write_manifest(folder, spec, len(rows), conf.data.cache_shard_rows)}", flush=True)
+        print(f"manifest: {write_manifest(folder, spec, len(rows), shard_rows)}", flush=True)
+        if vllm:
+            shutil.rmtree(folder / "vllm-extracted", ignore_errors=True)
     close_job(job, {})
     return folder

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
@@ -269,6 +270,31 @@ class TrackerConfig:
     project: str = "draftheads"
 
 
+class TargetBackend(Choice):
+    """Who runs the target to make the offline state cache (``target_backend``)."""
+    transformers = "transformers"
+    """The target in process, under accelerate (each rank its share of the shards)."""
+    vllm = "vllm"
+    """vLLM, in its own environment, with its own parallelism (``vllm.*``): for a target one trainer cannot hold."""
+
+
+@dataclass
+class VllmEngineConfig:
+    """vLLM as the target's engine (``target_backend=vllm``)."""
+    venv: str | None = None
+    """vLLM's environment, made on first use (default ``$DRAFTHEADS_CACHE/vllm-venv``, as ``train/vllm_parity.py``)."""
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    engine_args: dict[str, Any] = field(default_factory=dict)
+    """Any other argument of vLLM's ``LLM`` (``gpu_memory_utilization``, ``max_num_seqs``, ``quantization``...)."""
+
+    def engine(self) -> dict[str, Any]:
+        """The ``LLM`` arguments: the parallel sizes and ``engine_args``."""
+        return {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+                "data_parallel_size": self.data_parallel_size, **self.engine_args}
+
+
 @dataclass
 class RunConfig:
     """What every training job shares: target, data, optimisation, evaluation, tracking, run directory."""
@@ -289,6 +315,10 @@ class RunConfig:
     export: bool = True
     """Write the drafter's server formats under output_dir/export at the end (a drafter whose export is also
     its saved model, like DFlash's export/dflash, writes it either way)."""
+    target_backend: TargetBackend = TargetBackend.transformers
+    """Who computes the states ``train/cache_hidden_states.py`` writes: the target in process (transformers) or
+    vLLM (then the job holds only the target's ends, ``model.partial``, and vLLM the whole target)."""
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
     drafter: str = MISSING
     """The drafter this run trains, a name in the registry (``draftheads.drafters.DRAFTERS``); set by each
     drafter's schema and recorded in the run's config.yaml, where evaluation, export, parity and the state

@@ -68,7 +68,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     conf = to_schema(cfg)
     if recipe is not None and conf.drafter != recipe.name:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
-    if conf.model.partial:
+    if conf.model.partial and recipe is not None:
         check_partial(conf, recipe)
     out = Path(conf.output_dir)
     claim = recipe is not None and not conf.resume
@@ -99,12 +99,12 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
 
 
-def check_partial(conf: RunConfig, recipe: Recipe | None) -> None:
+def check_partial(conf: RunConfig, recipe: Recipe) -> None:
     """``model.partial=true`` trains from cached states only: ``ValueError`` saying what to change when the run
     would run the target's decoder layers (states computed in the run or per batch, the evaluator), before any
     work. Answers still to regenerate are refused where regeneration starts; a recipe refuses its own stages in
     ``check`` (Medusa's stage 2)."""
-    if recipe is not None and not recipe.attach_states(conf):
+    if not recipe.attach_states(conf):
         raise ValueError(f"model.partial=true holds no decoder layer to compute features per batch with: set "
                          f"{conf.drafter}.features=precomputed")
     if conf.data.hidden_states != HiddenStates.offline:

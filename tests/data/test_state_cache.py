@@ -9,12 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from draftheads.data.hidden_states import attach_hidden_states
-from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache, write_cache, write_manifest
+from draftheads.data.state_cache import (CacheSpec, cache_spec, forward_states, read_cache, write_cache,
+                                         write_manifest)
 from draftheads.jobs.cache import cache_states
-from tests.helpers import ROOT, SMOKE_STAGES, run_dflash, run_eagle3, run_medusa, smoke
+from draftheads.models.target import record_layer_outputs, torch_dtype
+from tests.helpers import ROOT, SMOKE_STAGES, VLLM_TINY, VLLM_VENV, run_dflash, run_eagle3, run_medusa, smoke
 
 
 
@@ -30,7 +32,8 @@ LENGTHS = [5, 17, 9, 30, 2, 12, 9]
 def build(tiny, folder, rows, layer_ids=None, dtype="float32", shard_rows=3):
     model, tokenizer = tiny
     spec = cache_spec(model, {"name_or_path": "tiny"}, tokenizer, rows, layer_ids, 64, dtype)
-    written = write_cache(model, rows, folder, spec, shard_rows, 2, tokenizer.pad_token_id, show_progress=False)
+    states = forward_states(model, layer_ids, 2, tokenizer.pad_token_id, torch_dtype(dtype))
+    written = write_cache(states, rows, folder, spec, shard_rows, show_progress=False)
     write_manifest(folder, spec, len(rows), shard_rows)
     return spec, written
 
@@ -164,3 +167,64 @@ def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):
     for s in two["shards"]:
         a, b = load_file(str(tmp_path / "one" / "hs" / s["file"])), load_file(str(tmp_path / "two" / "hs" / s["file"]))
         assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+def test_vllm_layer_ids_are_ours_plus_one_and_the_last_state_is_normed_here(tiny, tmp_path, monkeypatch):
+    """vLLM's id i is the input of decoder layer i (transformers' hidden_states[i]); ours i is the output of layer
+    i. Fed files in vLLM's convention, the vLLM state source gives exactly the in-process states, in any layer
+    order, and the last hidden state after the target's own final norm."""
+    from draftheads.data import vllm_states as vs
+    model, tokenizer = tiny
+    rows = rows_of(LENGTHS[:3], model.config.vocab_size)
+    L = model.config.num_hidden_layers
+    assert vs.vllm_layer_ids([0, 2], L) == [1, 3] and vs.vllm_layer_ids(None, L) == [L]
+
+    def fake_extractor(python, job):  # what vLLM writes: [T, layers, D], ascending ids, pre-norm at id L
+        files = []
+        for k, ids in enumerate(job["prompts"]):
+            with record_layer_outputs(model, range(L)) as outputs:
+                hidden = model.base_model(input_ids=torch.tensor([ids]), output_hidden_states=True).hidden_states
+            inputs = [*hidden[:L], outputs[L - 1]]  # vLLM id i < L: input of layer i; id L: last output, pre-norm
+            path = tmp_path / f"req{k}.safetensors"
+            save_file({"hidden_states": torch.stack([inputs[i][0] for i in job["layer_ids"]], 1),
+                       "token_ids": torch.tensor(ids)}, str(path))
+            files.append(str(path))
+        return {"files": files}
+
+    monkeypatch.setattr(vs, "run_extractor", fake_extractor)
+    for layer_ids in (None, [2, 0], [L - 1]):
+        served = vs.vllm_states(Path("python"), model, "folder", rows, layer_ids, tmp_path, 64, {})(rows)
+        computed = forward_states(model, layer_ids, 2, tokenizer.pad_token_id, torch.float32)(rows)
+        for a, b in zip(served, computed):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    states = vs.vllm_states(Path("python"), model, "folder", rows, None, tmp_path, 64, {})
+    rows[1]["input_ids"] = rows[1]["input_ids"].flip(0)  # not the tokens vLLM was given
+    with pytest.raises(ValueError, match="other tokens"):
+        states(rows)
+
+
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+@pytest.mark.parametrize("job", ["medusa", "dflash"])
+def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_dir):
+    """target_backend=vllm: vLLM's states (its layer ids mapped to ours, the last state normed here) equal the
+    in-process target's within float32 noise, in a cache training accepts; a run on the partial target trained
+    from it follows the run trained from the in-process cache."""
+    own = [*VLLM_TINY, "data.hidden_states_dtype=float32", "data.cache_shard_rows=16", "eval.peer_runs=[]"]
+    ours, theirs = tmp_path / "hs-transformers", tmp_path / "hs-vllm"
+    cache_states(short(job, tmp_path / "a", cache_dir, *own, f"data.hidden_states_dir={ours}"))
+    cache_states(short(job, tmp_path / "b", cache_dir, *own, f"data.hidden_states_dir={theirs}", "target_backend=vllm",
+                       f"vllm.venv={VLLM_VENV}"))
+    a, b = (json.loads((f / "manifest.json").read_text()) for f in (ours, theirs))
+    assert a["spec"] == b["spec"] and a["num_rows"] == b["num_rows"]
+    worst = 0.0
+    for shard in a["shards"]:
+        x, y = load_file(str(ours / shard["file"])), load_file(str(theirs / shard["file"]))
+        assert x.keys() == y.keys()
+        worst = max(worst, *((x[k] - y[k]).abs().max().item() / x[k].abs().max().item() for k in x))
+    assert worst < 1e-3, worst
+    run = {"medusa": run_medusa, "dflash": run_dflash}[job]
+    trained = [run(short(job, tmp_path / name, cache_dir, *own, "data.hidden_states=offline", f"data.hidden_states_dir={hs}",
+                         "model.partial=true")) for name, hs in (("c", ours), ("d", theirs))]
+    first, second = ([p[k] for p in next(iter(r["train_curves"].values())) for k in p if k.endswith("/loss")]
+                     for r in trained)
+    assert first == pytest.approx(second, rel=5e-3)  # lr 2e-2 on a random target amplifies float32 noise

@@ -2,14 +2,13 @@
 our counters are vLLM's, the server's Prometheus counters are parsed per position, and parity means identical
 outputs and tau within the tolerance."""
 
-import os
 
 import pytest
 import torch
 
 from draftheads.models.speculative import speculative_decode
 from draftheads.jobs.train import train
-from tests.helpers import StubDrafter, smoke
+from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, smoke
 from draftheads.evaluation.parity import TOLERANCE, acceptance, compare, our_side
 from draftheads.evaluation.vllm_runner import parse_prometheus
 
@@ -66,9 +65,6 @@ def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(
     assert not compare("s", ours, {"outputs": changed, "metrics": ours["metrics"]})["parity"]
 
 
-VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
-VLLM_TINY = ["model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
-             "model.tiny.intermediate_size=256"]  # vLLM's CPU attention needs head_dim >= 32; the smoke target has 16
 
 
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
