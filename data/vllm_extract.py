@@ -75,6 +75,5 @@ def extract(job: dict) -> dict:
     return {"files": [o.kv_transfer_params["hidden_states_path"] for o in outs]}
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # the connector's module, for vLLM's loader
+if __name__ == "__main__":  # run with this folder on PYTHONPATH: vLLM's processes import the connector from it
     Path(sys.argv[2]).write_text(json.dumps(extract(json.loads(Path(sys.argv[1]).read_text()))))
