@@ -5,11 +5,11 @@ given prompt token ids with a draftheads export, through vLLM's offline ``LLM`` 
     <vllm venv>/bin/python draftheads/evaluation/vllm_runner.py job.json result.json
 
 Imports nothing from draftheads (that environment has vLLM's pinned transformers, not ours). ``job.json``:
-``mode`` (offline | serve), ``target``, ``speculative_config``, ``prompts`` (token id lists), ``messages`` (the
-same prompts as chats, for serve), ``max_tokens``, ``stop_token_ids`` (the target's stop set), ``chat_template``
-(the run's, for serve), ``port``.
+``mode`` (offline | serve), ``target``, ``speculative_config`` (null: plain decoding), ``prompts`` (token id
+lists), ``messages`` (the same prompts as chats, for serve), ``max_tokens``, ``stop_token_ids`` (the target's stop
+set), ``chat_template`` (the run's, for serve), ``port``, ``engine`` (offline: ``LLM`` arguments over the defaults).
 ``result.json``: ``outputs`` (token ids; serve: texts) and ``metrics`` (drafts, draft tokens, accepted tokens,
-accepted per position).
+accepted per position); offline also ``seconds`` (the ``generate`` call, wall).
 """
 
 from __future__ import annotations
@@ -34,15 +34,18 @@ COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft
 
 def offline(job: dict) -> dict:
     from vllm import LLM, SamplingParams
-    llm = LLM(model=job["target"], speculative_config=job["speculative_config"], disable_log_stats=False, **ENGINE)
+    llm = LLM(model=job["target"], speculative_config=job["speculative_config"], disable_log_stats=False,
+              **(ENGINE | job.get("engine", {})))
+    start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]],
                         SamplingParams(temperature=0.0, max_tokens=job["max_tokens"],
                                        stop_token_ids=job["stop_token_ids"]))
+    seconds = time.perf_counter() - start
     metrics = {}
     for m in llm.get_metrics():
         if m.name in COUNTERS:
             metrics[COUNTERS[m.name]] = getattr(m, "values", None) or getattr(m, "value", 0)
-    return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics}
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outs], "metrics": metrics, "seconds": seconds}
 
 
 def serve(job: dict) -> dict:

@@ -3,28 +3,49 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from draftheads import drafters
+from draftheads.data.regenerate import prompt_ids
+from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
 from draftheads.evaluation.methods import load_eval_sets
+from draftheads.evaluation.vllm_env import ensure_vllm
+from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run
 from draftheads.training.job import TARGET_FILE
 
 
-def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None = None) -> dict:
+def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None = None, backend: str = "transformers",
+                 vllm_venv: str | None = None) -> dict:
     """Evaluate ``run_dir``'s drafter (or the export folder ``weights``) on the run's eval sets with
     ``overrides`` applied, beside its own methods, ``eval.peer_runs`` and prompt lookup. The run's
     ``report.json`` keeps other sets; the sets measured replace those of the same name, each saying which
     drafter it measured, and ``evaluations`` records the invocation. An explicit evaluation evaluates, whatever
-    the run's ``eval.enabled`` said. Returns the report."""
-    run = open_run(run_dir, overrides, weights)
+    the run's ``eval.enabled`` said. Returns the report.
+
+    ``backend="vllm"``: the target is not loaded here (only its ends, ``model.partial``, to read the drafter);
+    vLLM decodes with the run's export and without it, greedily, in its own environment (``vllm_venv``, made on
+    first use at ``$DRAFTHEADS_CACHE/vllm-venv``): :func:`~draftheads.evaluation.vllm_eval.evaluate_in_vllm`, no
+    peers. Raises ``ValueError`` for another backend."""
+    if backend not in ("transformers", "vllm"):
+        raise ValueError(f"backend={backend!r}: transformers (the target in process) or vllm")
+    in_vllm = backend == "vllm"
+    run = open_run(run_dir, overrides, weights or (drafters.of_run(run_dir).vllm_weights if in_vllm else None),
+                   partial=in_vllm)
     conf = replace(run.conf, eval=replace(run.conf.eval, enabled=True))
-    record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
-    peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
-    sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer, load_eval_sets(conf.eval), peers)
+    if in_vllm:
+        notes = ["peer runs are not measured with backend=vllm"]
+        sets = vllm_sets(run, conf, vllm_venv)
+    else:
+        record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
+        peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
+        sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer, load_eval_sets(conf.eval),
+                                peers)
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():
         m["drafter"] = source
@@ -34,14 +55,28 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     report["notes"], report["peer_runs"] = NOTES, notes
     report.setdefault("evaluations", []).append({
         "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source, "overrides": list(overrides),
-        "sets": sorted(sets), "peer_runs": notes, "eval": json.loads(json.dumps(asdict(conf.eval), default=str)),
-        "hardware": hardware(), "dtype": conf.model.dtype})
+        "backend": backend, "sets": sorted(sets), "peer_runs": notes,
+        "eval": json.loads(json.dumps(asdict(conf.eval), default=str)), "hardware": hardware(),
+        "dtype": conf.model.dtype})
     print(format_table(sets))
     print(f"report: {write_report(report, run_dir)}")
     return report
 
 
+def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
+    """Every eval set measured in vLLM with the run's export (greedy; see :func:`evaluate_in_vllm`)."""
+    cache = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser()
+    python = ensure_vllm(Path(vllm_venv or cache / "vllm-venv"))
+    spec = run.recipe.vllm_config(run.folder, conf, run.trained)
+    stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
+    return {name: evaluate_in_vllm(python, run.target_path, spec, [prompt_ids(run.tokenizer, p.text) for p in prompts],
+                                   conf.eval.max_new_tokens, stop, conf.model.dtype)
+            for name, prompts in load_eval_sets(conf.eval).items()}
+
+
 def cli(argv: list[str], usage: str = __doc__) -> dict:
-    """``train/evaluate.py``'s command line: the run (first or ``run_dir=``), ``weights=``, config overrides."""
-    run_dir, options, overrides = parse_args(argv, ("weights",), usage)
-    return evaluate_run(run_dir, overrides, options.get("weights"))
+    """``train/evaluate.py``'s command line: the run (first or ``run_dir=``), ``weights=``, ``backend=``
+    (transformers | vllm), ``vllm_venv=``, config overrides."""
+    run_dir, options, overrides = parse_args(argv, ("weights", "backend", "vllm_venv"), usage)
+    return evaluate_run(run_dir, overrides, options.get("weights"), options.get("backend", "transformers"),
+                        options.get("vllm_venv"))

@@ -43,15 +43,17 @@ def run_config(folder: Path, recipe: Recipe, overrides: list[str] = ()):
     return OmegaConf.to_object(cfg)
 
 
-def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None = None) -> SavedRun:
+def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None = None,
+             partial: bool = False) -> SavedRun:
     """A finished run of any registered drafter: its config (with overrides), target and drafter, read by the
     drafter's strict loader from its save or from ``weights`` (an export folder, relative to the run or
-    absolute). Raises ``FileNotFoundError`` for a folder holding no finished run, ``ValueError`` for weights
-    that do not fit the target."""
+    absolute); with ``partial`` the target's ends only (:mod:`draftheads.models.partial`: enough to read any
+    drafter, not to decode). Raises ``FileNotFoundError`` for a folder holding no finished run, ``ValueError``
+    for weights that do not fit the target."""
     folder = Path(run_dir)
     recipe = drafters.of_run(folder)
     conf = run_config(folder, recipe, overrides)
-    target, tokenizer, path = load_target(recipe.target_of(folder, conf), conf.cache_dir)
+    target, tokenizer, path = load_target(replace(recipe.target_of(folder, conf), partial=partial), conf.cache_dir)
     apply_generation_defaults(conf, target.generation_config)
     return SavedRun(folder, recipe, conf, target, tokenizer, path, recipe.load(folder, conf, target, weights))
 

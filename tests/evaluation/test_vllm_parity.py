@@ -2,6 +2,7 @@
 our counters are vLLM's, the server's Prometheus counters are parsed per position, and parity means identical
 outputs and tau within the tolerance."""
 
+import json
 
 import pytest
 import torch
@@ -81,3 +82,30 @@ def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, job):
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])
     assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0
     assert rows[0]["drafts_ours"] == rows[0]["drafts_vllm"] > 0
+
+
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+def test_evaluate_in_vllm_reports_the_evaluators_keys_and_its_tau(tmp_path, cache_dir):
+    """train/evaluate.py RUN backend=vllm: the export decoded by vLLM with and without the drafter, the target
+    never loaded whole; the same tau as our evaluator measures for that export, outputs equal to vLLM's plain
+    greedy decoding."""
+    from draftheads.jobs.evaluate import cli as evaluate
+    out = tmp_path / "medusa"
+    train("medusa", smoke("medusa", out, cache_dir, *VLLM_TINY, "eval.enabled=false", "stage2.enabled=false"))
+    sets = ["eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]", "eval.max_new_tokens=24",
+            "eval.peers=[]", "eval.prompt_lookup_tokens=0"]
+    ours = evaluate([str(out), "weights=export/vllm", *sets])["eval"]["chitchat"]
+    theirs = evaluate([str(out), "backend=vllm", f"vllm_venv={VLLM_VENV}", *sets])["eval"]["chitchat"]
+    assert theirs["backend"] == "vllm" and theirs["greedy_match"] == 1.0 and theirs["num_prompts"] == 4
+    assert theirs["acceptance_length"] == pytest.approx(ours["acceptance_length"], abs=1e-9)
+    assert theirs["cumulative_acceptance_per_position"] == pytest.approx(ours["cumulative_acceptance_per_position"])
+    assert theirs["accepted_histogram"] == ours["accepted_histogram"]
+    assert theirs["tokens_per_second"]["speculative"] > 0 and theirs["speedup"] > 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["evaluations"][-1]["backend"] == "vllm"
+
+
+def test_an_unknown_evaluation_backend_is_refused_before_any_work(tmp_path):
+    from draftheads.jobs.evaluate import cli as evaluate
+    with pytest.raises(ValueError, match="backend='sglang'"):
+        evaluate([str(tmp_path), "backend=sglang"])
