@@ -13,15 +13,16 @@ from draftheads.evaluation.parity import acceptance, run_vllm
 
 
 def evaluate_in_vllm(python: Path, target: str, speculative_config: dict, prompts: list[list[int]],
-                     max_new_tokens: int, stop: list[int], dtype: str) -> dict:
+                     max_new_tokens: int, stop: list[int], engine: dict) -> dict:
     """One eval set's entry measured in vLLM's offline engine: ``acceptance_length`` (tau = 1 + accepted drafts
     per verification step, vLLM's counters), ``acceptance_rate_per_position`` (conditional) and
     ``cumulative_acceptance_per_position``, ``accepted_histogram`` (steps with k drafts accepted: a chain's
     position k+1 is reached only through position k), ``tokens_per_second`` (speculative and baseline, wall time of each
     ``generate`` call, prefill included), ``speedup``, ``greedy_match`` (prompts whose speculative output is the
-    baseline's), ``num_prompts``, ``max_new_tokens``, ``gamma``, ``new_tokens``, ``backend: vllm``."""
+    baseline's), ``num_prompts``, ``max_new_tokens``, ``gamma``, ``new_tokens``, ``backend: vllm``. ``engine``:
+    ``LLM`` arguments (dtype, parallel sizes)."""
     job = {"mode": "offline", "target": target, "prompts": prompts, "max_tokens": max_new_tokens,
-           "stop_token_ids": stop, "engine": {"dtype": dtype}}
+           "stop_token_ids": stop, "engine": engine}
     spec = run_vllm(python, job | {"speculative_config": speculative_config})
     plain = run_vllm(python, job | {"speculative_config": None})
     tau, cumulative = acceptance(spec["metrics"])

@@ -64,13 +64,14 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
 
 
 def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
-    """Every eval set measured in vLLM with the run's export (greedy; see :func:`evaluate_in_vllm`)."""
+    """Every eval set measured in vLLM with the run's export (greedy; see :func:`evaluate_in_vllm`), with the
+    run's ``vllm.*`` parallelism."""
     cache = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser()
     python = ensure_vllm(Path(vllm_venv or cache / "vllm-venv"))
     spec = run.recipe.vllm_config(run.folder, conf, run.trained)
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
     return {name: evaluate_in_vllm(python, run.target_path, spec, [prompt_ids(run.tokenizer, p.text) for p in prompts],
-                                   conf.eval.max_new_tokens, stop, conf.model.dtype)
+                                   conf.eval.max_new_tokens, stop, {"dtype": conf.model.dtype, **conf.vllm.engine()})
             for name, prompts in load_eval_sets(conf.eval).items()}
 
 
