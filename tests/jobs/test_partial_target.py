@@ -13,7 +13,7 @@ from draftheads.data.state_cache import weights_fingerprint
 from draftheads.jobs.cache import cache_states
 from draftheads.models.partial import is_partial, part_names
 from draftheads.models.target import TargetSpec, load_target, weights_sample
-from tests.helpers import SMOKE_STAGES, run_dflash, run_eagle3, run_medusa, smoke
+from tests.helpers import SMOKE_STAGES, launch, run_dflash, run_eagle3, run_medusa, smoke
 
 
 @pytest.mark.parametrize("family", ["llama", "llama3", "gemma3", "phi3"])
@@ -97,3 +97,14 @@ def test_online_features_and_regeneration_are_refused_naming_the_fix(tmp_path, c
                          "stage2.enabled=false", "model.partial=true", "data.hidden_states=offline"))
     with pytest.raises(ValueError, match="model.partial=false"):
         cache_states(smoke("medusa", tmp_path / "c", cache_dir, "model.partial=true"))
+
+
+def test_a_partial_target_trains_under_fsdp2_on_two_processes(tmp_path, cache_dir):
+    hs = tmp_path / "hs"
+    cache_states(_job("medusa", tmp_path / "cache", cache_dir, hs))
+    own = [*SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", f"data.hidden_states_dir={hs}",
+           "data.hidden_states_dtype=float32", "data.hidden_states=offline"]
+    part = launch("medusa", tmp_path / "part", cache_dir, *own, "model.partial=true", engine="fsdp")
+    whole = launch("medusa", tmp_path / "whole", cache_dir, *own, engine="fsdp")
+    losses = [[p["stage1/loss"] for p in r["train_curves"]["stage1"]] for r in (part, whole)]
+    assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-6)
