@@ -6,6 +6,7 @@ Standard library only, so CI can make it before anything else is installed:
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +18,11 @@ BROKEN = ["torchvision", "torchaudio", "torchcodec"]
 """Wheels vLLM pulls that do not import beside the CPU torch build; removed."""
 
 
-def ensure_vllm(venv: Path) -> Path:
-    """The environment's python, the environment made (a few minutes, ~3.5 GB) when it cannot import vLLM."""
+def ensure_vllm(venv: str | Path | None = None) -> Path:
+    """The environment's python, the environment made (a few minutes, ~3.5 GB) when it cannot import vLLM;
+    ``venv`` None: ``$DRAFTHEADS_CACHE/vllm-venv`` (``~/.cache/draftheads/vllm-venv``)."""
+    if venv is None:
+        venv = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser() / "vllm-venv"
     python = Path(venv) / "bin" / "python"
     if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
         return python

@@ -60,8 +60,7 @@ def cache_states(cfg: DictConfig) -> Path:
     shard_rows = conf.data.cache_shard_rows
     if vllm:
         pending = [rows[i] for k in pending_shards(folder, len(rows), shard_rows) for i in shard_indices(k, len(rows), shard_rows)]
-        cache = Path(conf.cache_dir).expanduser()
-        python = ensure_vllm(Path(conf.vllm.venv or cache / "vllm-venv"))
+        python = ensure_vllm(conf.vllm.venv)
         work = folder / "vllm-extracted"
         states = vllm_states(python, target, job.target_path, pending, layer_ids, work,
                              max(len(r["input_ids"]) for r in rows) + 1, conf.vllm.engine()) if pending else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -66,8 +65,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
 def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
     """Every eval set measured in vLLM with the run's export (greedy; see :func:`evaluate_in_vllm`), with the
     run's ``vllm.*`` parallelism."""
-    cache = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser()
-    python = ensure_vllm(Path(vllm_venv or cache / "vllm-venv"))
+    python = ensure_vllm(vllm_venv)
     spec = run.recipe.vllm_config(run.folder, conf, run.trained)
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
     return {name: evaluate_in_vllm(python, run.target_path, spec, [prompt_ids(run.tokenizer, p.text) for p in prompts],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,8 +22,7 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     ``serve`` also its OpenAI server). Prints the table, writes ``<run>/vllm_parity.json``; raises
     ``SystemExit(1)`` without parity. The vLLM environment is made on first use
     (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``)."""
-    cache = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser()
-    python = ensure_vllm(Path(vllm_venv or cache / "vllm-venv"))
+    python = ensure_vllm(vllm_venv)
     run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = run.recipe.chain(run.conf, run.trained, run.target)
