@@ -140,7 +140,7 @@ def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationS
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=settings.max_new_tokens,
                              do_sample=sampling, temperature=settings.temperature if sampling else None,
                              top_p=settings.top_p if sampling else None,
-                             top_k=settings.top_k or None if sampling else None, pad_token_id=pad,
+                             top_k=(settings.top_k or None) if sampling else None, pad_token_id=pad,
                              eos_token_id=sorted(stop) or None)
     results = []
     for row in out[:, width:].tolist():

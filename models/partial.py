@@ -37,7 +37,8 @@ class WeightFiles:
         self.folder = Path(folder)
         index, single = self.folder / "model.safetensors.index.json", self.folder / "model.safetensors"
         if index.is_file():
-            self.files = {name: self.folder / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.folder / file for name, file in weight_map.items()}
         elif single.is_file():
             with safe_open(str(single), "pt") as f:
                 self.files = {name: single for name in f.keys()}

@@ -29,7 +29,8 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
     """Speculative evaluation of ``drafter`` on every eval set at every temperature in ``eval.temperatures``:
     ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
     measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``), kept to ``eval.peers``
-    when that is set; ``defaults`` says whether the sampling is the target's own (recorded). Raises ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
+    when that is set; ``defaults`` says whether the sampling is the target's own (recorded). Raises
+    ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
     samplings = eval_cfg.samplings()
     offered = [peers_at(sampling) for sampling in samplings]
     if eval_cfg.peers is not None:

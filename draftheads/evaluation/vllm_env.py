@@ -22,7 +22,8 @@ def ensure_vllm(venv: str | Path | None = None) -> Path:
     """The environment's python, the environment made (a few minutes, ~3.5 GB) when it cannot import vLLM;
     ``venv`` None: ``$DRAFTHEADS_CACHE/vllm-venv`` (``~/.cache/draftheads/vllm-venv``)."""
     if venv is None:
-        venv = Path(os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")).expanduser() / "vllm-venv"
+        cache = os.environ.get("DRAFTHEADS_CACHE", Path.home() / ".cache" / "draftheads")
+        venv = Path(cache).expanduser() / "vllm-venv"
     python = Path(venv) / "bin" / "python"
     if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
         return python

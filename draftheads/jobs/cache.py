@@ -53,13 +53,15 @@ def cache_states(cfg: DictConfig) -> Path:
     free = shutil.disk_usage(folder).free
     print0(accelerator, f"caching {'layers ' + str(list(layer_ids)) if layer_ids else 'last hidden states'} of "
                         f"{len(rows)} rows in {spec.dtype} ({conf.target_backend}): {size / 2**30:.2f} GiB estimated "
-                        f"({size / max(len(rows), 1) / 2**20:.1f} MiB per row), {free / 2**30:.1f} GiB free at {folder}")
+                        f"({size / max(len(rows), 1) / 2**20:.1f} MiB per row), {free / 2**30:.1f} GiB free at "
+                        f"{folder}")
     needed = size * (2 if vllm else 1)  # vLLM's per-request files stay beside the shards until they are written
     if needed > free:
         raise OSError(28, f"the cache needs ~{needed / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free")
     shard_rows = conf.data.cache_shard_rows
     if vllm:
-        pending = [rows[i] for k in pending_shards(folder, len(rows), shard_rows) for i in shard_indices(k, len(rows), shard_rows)]
+        pending = [rows[i] for k in pending_shards(folder, len(rows), shard_rows)
+                   for i in shard_indices(k, len(rows), shard_rows)]
         python = ensure_vllm(conf.vllm.venv)
         work = folder / "vllm-extracted"
         states = vllm_states(python, target, job.target_path, pending, layer_ids, work,
