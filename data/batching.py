@@ -2,11 +2,12 @@
 
 Contracts:
 - a row: ``{"input_ids": [T] int64, "loss_mask": [T] bool, "source": str, "row": int}``, optionally
-  ``"hidden_states": [T, D]`` float (the target's last hidden states, cached) and/or
-  ``"target_features": [T, K*D]`` (outputs of K target layers, for DFlash);
+  ``"hidden_states": [T, D]`` float (the target's last hidden states, cached), ``"target_features": [T, K*D]``
+  (outputs of K target layers, for DFlash and EAGLE-3) and ``"layer_input": [T, D]`` (the input of the first
+  layer Medusa's stage 2 trains);
 - a batch: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] int64, ``loss_mask`` [B, T] bool, and
-  ``hidden_states`` [B, T, D] / ``target_features`` [B, T, K*D] when the rows carry them; right padding
-  (positions unchanged).
+  ``hidden_states`` [B, T, D] / ``target_features`` [B, T, K*D] / ``layer_input`` [B, T, D] when the rows carry
+  them; right padding (positions unchanged).
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ def padding_fraction(rows: list[dict], batch_size: int, seed: int) -> float:
     return 1 - real / max(padded, 1)
 
 
-PER_TOKEN_STATES = ("hidden_states", "target_features")
-"""Optional cached target states of a row, ``[T, D]`` / ``[T, K*D]``, padded with zeros by :func:`collate`."""
+PER_TOKEN_STATES = ("hidden_states", "target_features", "layer_input")
+"""Optional cached target states of a row, ``[T, D]`` / ``[T, K*D]`` / ``[T, D]``, padded with zeros by
+:func:`collate`."""
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:

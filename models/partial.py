@@ -2,25 +2,29 @@
 trains against, not the model.
 
 With the target's states on disk (``train/cache_hidden_states.py``), Medusa stage 1 needs only the LM head (the
-cached state is after the final norm), DFlash and EAGLE-3 the input embedding and the LM head. A partial target
+cached state is after the final norm), DFlash and EAGLE-3 the input embedding and the LM head, Medusa stage 2
+the last N layers it trains besides (run on the cached output of the layer before them). A partial target
 (``model.partial=true``) is the target's module tree with every parameter on the meta device (no memory), and
 the input embedding, the final norm and the LM head read from its safetensors checkpoint: its memory is
 ``(2 V D + D)`` parameters untied (``V D + D`` tied) whatever the depth, against ``~12 L D^2 + 2 V D`` for the
-whole model. Anything that would run a decoder layer (regeneration, a state forward, the evaluator) is refused
-with an error that says what to do instead.
+whole model, plus ``~12 N D^2`` for N layers held by :func:`hold_layers`. Anything that would run the other
+decoder layers (regeneration, a state forward, the evaluator) is refused with an error that says what to do
+instead.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+import shutil
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 PARTS = "input embedding, final norm and LM head"
@@ -120,6 +124,45 @@ def place(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module
                                         if isinstance(t, torch.nn.Parameter) else t.to(device))
                     store[name] = moved[id(t)]
     return model
+
+
+def hold_layers(model: PreTrainedModel, indices: Sequence[int]) -> None:
+    """Read decoder layers ``indices`` of a partial target from its checkpoint, in the dtype and on the device of
+    its loaded ends (Medusa stage 2 trains the last N: the trainer then holds those and the ends). A whole
+    target holds them already."""
+    if not is_partial(model):
+        return
+    from draftheads.models.target import decoder_layers  # target imports this module
+    layers, embedding = decoder_layers(model), model.get_input_embeddings().weight
+    prefix = next(n for n, m in model.named_modules() if m is layers)
+    for i in indices:
+        for name, p in list(layers[i].named_parameters()) + list(layers[i].named_buffers()):
+            if p.is_meta:
+                full = f"{prefix}.{i}.{name}"
+                set_module_tensor_to_device(model, full, embedding.device,
+                                            value=model.partial_weights.read(full, embedding.dtype))
+
+
+def save_partial(model: PreTrainedModel, folder: str | Path) -> Path:
+    """Write a partial target as a whole checkpoint into ``folder``: its source checkpoint's files one at a time,
+    each tensor the model holds (trained layers, its ends) replacing the checkpoint's (in the checkpoint's dtype),
+    every other one copied; the shard index, ``config.json`` and ``generation_config.json`` beside them. Memory
+    is one source file. Returns ``folder``."""
+    files, folder = model.partial_weights, Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    held = {name: t for name, t in model.state_dict().items() if not t.is_meta}
+    for source in sorted(set(files.files.values())):
+        tensors = {}
+        with safe_open(str(source), "pt") as f:
+            metadata = f.metadata()
+            for name in f.keys():
+                kept = f.get_tensor(name)
+                tensors[name] = held[name].detach().to("cpu", kept.dtype).contiguous() if name in held else kept
+        save_file(tensors, str(folder / source.name), metadata=metadata)
+    for name in ("model.safetensors.index.json", "config.json", "generation_config.json"):
+        if (files.folder / name).is_file():
+            shutil.copyfile(files.folder / name, folder / name)
+    return folder
 
 
 def is_partial(model) -> bool:

@@ -293,3 +293,38 @@ def record_layer_outputs(model: PreTrainedModel, layer_ids: Sequence[int]) -> It
     finally:
         for h in handles:
             h.remove()
+
+
+class _Resumed(nn.Module):
+    """Stands in for the decoder layers before ``start`` in :func:`hidden_states_from`: returns the given states
+    whatever it is fed, so the next layer reads them."""
+
+    def __init__(self, states: torch.Tensor):
+        super().__init__()
+        self.states = states
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return self.states
+
+
+def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int,
+                       states: torch.Tensor | None) -> torch.Tensor:
+    """``[B, T, D]`` last hidden states (after the final norm) of ``model`` for ``[B, T]`` ids when decoder layer
+    ``start`` reads ``states`` ``[B, T, D]`` (the output of layer ``start - 1``, layer id ``start - 1``):
+    layers ``0..start-1`` are not run, so a partial target (:mod:`draftheads.models.partial`) need not hold
+    them. ``start`` 0 (``states`` None) is the whole forward. The model's own forward runs everything else
+    (its attention masks, sliding windows, RoPE per layer type, final norm), with autograd as the caller has
+    it. Raises ``ValueError`` for ``start`` outside ``0..L-1``, or states given for ``start`` 0."""
+    layers = decoder_layers(model)
+    if not 0 <= start < len(layers) or (start == 0) != (states is None):
+        raise ValueError(f"start={start} with states {'given' if states is not None else 'None'}: decoder layer "
+                         f"start in 0..{len(layers) - 1} reads the states of layer start-1 (none for start 0)")
+    skipped = [layers[i] for i in range(start)]
+    stand_in = _Resumed(states) if start else None
+    try:
+        for i in range(start):
+            layers[i] = stand_in
+        return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    finally:
+        for i, layer in enumerate(skipped):
+            layers[i] = layer

@@ -22,7 +22,7 @@ from draftheads.jobs.evaluate import evaluate_run
 from draftheads.jobs.runs import open_run
 from draftheads.models.decoding import cut_at_stop
 from draftheads.models.speculative import Sampling, plain_decode
-from draftheads.models.target import TargetSpec, load_target
+from draftheads.models.target import TargetSpec, decoder_layers, hidden_states_from, load_target, record_layer_outputs
 from draftheads.models.tiny import FAMILIES
 from draftheads.packaged import chitchat_conversations
 from draftheads.training.config import apply_generation_defaults, to_schema
@@ -85,6 +85,31 @@ def likely(model, tokenizer, token_id: int, prompts: list[list[int]], share: flo
         need = (logits.max(-1).values - logits[:, token_id])[reach > 0] / reach[reach > 0]
         head[token_id] += need.quantile(share) * u
     return model
+
+
+def test_the_last_layers_run_on_a_cached_layer_state_give_the_whole_forward(family):
+    """Medusa stage 2 runs only the layers it trains, from the cached output of the layer before: for every
+    family (sliding windows past the window, RoPE per layer type, Gemma's scaled embedding), padded rows
+    included, the last hidden states equal the whole forward's, and gradients reach only the layers run."""
+    _, model, _ = family
+    L, T = len(decoder_layers(model)), 40  # past the tiny sliding window (16)
+    ids = torch.randint(3, model.config.vocab_size, (2, T))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, 25:] = 0
+    with torch.no_grad(), record_layer_outputs(model, range(L)) as outputs:
+        whole = model.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+    for start in (1, L - 1):
+        got = hidden_states_from(model, ids, mask, start, outputs[start - 1])
+        keep = mask.bool()
+        assert torch.allclose(got[keep], whole[keep], atol=1e-5), start
+    model.zero_grad(set_to_none=True)
+    model.requires_grad_(True)
+    hidden_states_from(model, ids, mask, L - 1, outputs[L - 2]).sum().backward()
+    grads = {i: any(p.grad is not None for p in layer.parameters()) for i, layer in enumerate(decoder_layers(model))}
+    model.requires_grad_(False).zero_grad(set_to_none=True)
+    assert grads == {i: i == L - 1 for i in range(L)}
+    with torch.no_grad():
+        assert torch.allclose(hidden_states_from(model, ids, mask, 0, None), whole)
 
 
 def test_regeneration_is_the_plain_greedy_answer_through_the_first_stop(family):

@@ -1,5 +1,5 @@
-"""A partial target (``model.partial=true``): the input embedding, final norm and LM head only, read from the
-checkpoint; runs trained from the offline state cache with it never load the whole target, and train exactly
+"""A partial target (``model.partial=true``): the input embedding, final norm and LM head only (and the last N
+layers Medusa's stage 2 trains), read from the checkpoint; runs trained from the offline state cache with it never load the whole target, and train exactly
 what the whole target trains."""
 
 import json
@@ -47,17 +47,24 @@ def _no_whole_target(monkeypatch):
 
 
 def _job(job, out, cache_dir, hs, *overrides):
-    own = {"medusa": [*SMOKE_STAGES, "stage2.enabled=false"], "dflash": ["train.epochs=1", "eval.peer_runs=[]"],
+    own = {"medusa": [*SMOKE_STAGES, "stage2.enabled=false"], "medusa2": SMOKE_STAGES,
+           "dflash": ["train.epochs=1", "eval.peer_runs=[]"],
            "eagle3": ["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"]}[job]
-    return smoke(job, out, cache_dir, *own, "eval.enabled=false", f"data.hidden_states_dir={hs}",
+    return smoke(job.removesuffix("2"), out, cache_dir, *own, "eval.enabled=false", f"data.hidden_states_dir={hs}",
                  "data.hidden_states_dtype=float32", *overrides)
 
 
-@pytest.mark.parametrize("job, run, saved", [("medusa", run_medusa, "medusa_heads/medusa_heads.safetensors"),
-                                             ("dflash", run_dflash, "export/dflash/model.safetensors"),
-                                             ("eagle3", run_eagle3, "export/eagle3/model.safetensors")])
+HEADS = "medusa_heads/medusa_heads.safetensors"
+
+
+@pytest.mark.parametrize("job, run, saved", [("medusa", run_medusa, [HEADS]),
+                                             ("medusa2", run_medusa, [HEADS, "export/target/model.safetensors"]),
+                                             ("dflash", run_dflash, ["export/dflash/model.safetensors"]),
+                                             ("eagle3", run_eagle3, ["export/eagle3/model.safetensors"])])
 def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target_trains(
         job, run, saved, tmp_path, cache_dir, monkeypatch):
+    """Medusa stage 2 (``medusa2``) holds the last N layers besides the ends, and writes the whole trained
+    target, file by file, as the whole target's ``save_pretrained`` writes it."""
     hs = tmp_path / "hs"
     cache_states(_job(job, tmp_path / "cache", cache_dir, hs))
     whole = run(_job(job, tmp_path / "whole", cache_dir, hs, "data.hidden_states=offline"))
@@ -69,8 +76,9 @@ def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target
     assert [c["step"] for c in next(iter(part["train_curves"].values()))]
     assert curves(part) == curves(whole)
     assert part["validation"] == whole["validation"]
-    a, b = load_file(tmp_path / "whole" / saved), load_file(tmp_path / "part" / saved)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for file in saved:
+        a, b = load_file(tmp_path / "whole" / file), load_file(tmp_path / "part" / file)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file
     assert json.loads((tmp_path / "part" / "target.json").read_text()) == \
         json.loads((tmp_path / "whole" / "target.json").read_text())
 
@@ -78,7 +86,6 @@ def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target
 @pytest.mark.parametrize("overrides, message", [
     (["data.hidden_states=memory"], "data.hidden_states=offline"),
     (["data.hidden_states=offline", "eval.enabled=true"], "eval.enabled=false"),
-    (["data.hidden_states=offline", "stage2.enabled=true"], "stage2.enabled=false"),
 ])
 def test_what_needs_the_decoder_layers_is_refused_before_any_work(overrides, message, tmp_path, cache_dir):
     conf = smoke("medusa", tmp_path / "run", cache_dir, "eval.enabled=false", "stage2.enabled=false",

@@ -12,9 +12,10 @@ from draftheads.drafters.medusa.config import MedusaRunConfig
 from draftheads.drafters.medusa.export import (export_tgi_medusa, export_vllm_medusa, load_any_heads, load_heads,
                                                save_heads)
 from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
-from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, check_unfreeze
+from draftheads.drafters.medusa.training import (MedusaStage1, MedusaStage2, check_unfreeze, split_states,
+                                                  stage2_layers)
 from draftheads.drafters.medusa.validation import validate
-from draftheads.models.partial import refuse_partial
+from draftheads.models.partial import hold_layers, is_partial, save_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
@@ -30,13 +31,15 @@ class Medusa:
     vllm_weights = "export/vllm"
 
     def check(self, conf: MedusaRunConfig, target) -> None:
-        """Stage 2's unfrozen layers exist, and are held (``model.partial`` holds none)."""
+        """Stage 2's unfrozen layers exist."""
         check_unfreeze(target, conf.stage2)
-        if conf.stage2.enabled:
-            refuse_partial(target, "stage 2", "set stage2.enabled=false (stage 1 trains from the cached states)")
 
-    def state_layers(self, conf, target) -> None:
-        return None
+    def state_layers(self, conf: MedusaRunConfig, target) -> tuple[int, ...] | None:
+        """The last hidden state; with stage 2, the outputs of the layer before the trained ones and of the last
+        layer (:func:`~draftheads.drafters.medusa.training.stage2_layers`)."""
+        if not conf.stage2.enabled:
+            return None
+        return stage2_layers(target.config.num_hidden_layers, conf.stage2.unfreeze_last_n_layers)
 
     def unusable(self, row: dict) -> None:
         return None  # every trainable token is the base LM head's label, and heads read the states before it
@@ -51,6 +54,7 @@ class Medusa:
         accelerator, target, out = job.accelerator, job.target, str(job.out)
         resume, resume_stage = job.resume, job.resume[1]["stage"] if job.resume else None
         pad = job.tokenizer.pad_token_id
+        split_states(rows, target.get_decoder().norm)
         heads = MedusaHeads(job.identity["hidden_size"], job.identity["vocab_size"], conf.medusa.num_heads,
                             conf.medusa.num_layers, conf.medusa.per_head_lm_head).to(accelerator.device)
         if heads.per_head_lm_head:
@@ -67,6 +71,8 @@ class Medusa:
         curves = dict(meta["curves"])
         if conf.stage2.enabled:
             s2 = conf.stage2
+            L = target.config.num_hidden_layers
+            hold_layers(target, range(L - s2.unfreeze_last_n_layers, L))  # a partial target reads the N it trains
             strategy = MedusaStage2(heads, target, s2.unfreeze_last_n_layers, conf.medusa.decay, s2.kl_weight,
                                     s2.backbone_lr_scale)
             state = fit(accelerator, strategy, rows, conf.trainer, s2, out, pad, meta,
@@ -80,18 +86,24 @@ class Medusa:
 
     def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
         """Head accuracies and the target's drift; the heads' rank accuracies go into ``trained.saved``."""
+        split_states(rows, job.target.get_decoder().norm)
+        s2 = job.conf.stage2
         val, rank_accuracy = validate(job.target, trained.model, rows, job.conf.trainer.hidden_states_batch_size,
-                                      job.tokenizer.pad_token_id)
+                                      job.tokenizer.pad_token_id, s2.unfreeze_last_n_layers if s2.enabled else 0)
         trained.saved["head_rank_accuracy"] = rank_accuracy
         return val
 
     def save(self, job, trained: Trained) -> dict:
         """``medusa_heads/`` (with the target's identity, rank accuracies and base model); after stage 2 the
-        modified target itself in ``export/target`` (it is served with its heads)."""
+        modified target itself in ``export/target`` (it is served with its heads; a partial target's checkpoint
+        is rewritten file by file with the trained layers)."""
         base_model = job.target_path
         if job.conf.stage2.enabled:
             base_model = str((job.out / "export" / "target").resolve())
-            job.target.save_pretrained(base_model)
+            if is_partial(job.target):
+                save_partial(job.target, base_model)
+            else:
+                job.target.save_pretrained(base_model)
             job.tokenizer.save_pretrained(base_model)
         trained.saved |= {"target": job.identity, "base_model": base_model}
         save_heads(trained.model, job.out / "medusa_heads", trained.saved)

@@ -5,7 +5,9 @@ Medusa (paper sections 2.2.1 and 2.2.2):
   last hidden states.
 - Stage 2 (Medusa-2): the last N decoder layers of the target train jointly with the heads, at a lower
   learning rate, with a self-distillation term KL(original target || trained target) on next tokens so the
-  target's own output drifts as little as possible.
+  target's own output drifts as little as possible. The first L - N layers are frozen, so their output is a
+  cached state like the last one (:func:`stage2_layers`): a step runs the N trained layers only, and the
+  trainer needs to hold no other layer (``model.partial``).
 
 Only trainable modules are registered in each strategy's module (what DDP wraps and checkpoints save);
 frozen parts are held outside registration.
@@ -19,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
-from draftheads.models.target import decoder_layers
+from draftheads.models.target import decoder_layers, hidden_states_from
 from draftheads.training.spine import ModuleStrategy
 
 
@@ -64,6 +66,37 @@ def self_distillation(new_logits: torch.Tensor, teacher_logits: torch.Tensor) ->
     return kl, agree
 
 
+def stage2_layers(num_layers: int, n_layers: int) -> tuple[int, ...]:
+    """The layer ids whose outputs stage 2 reads (``[T, 2D]`` per row, or ``[T, D]`` when every layer trains):
+    the input of the first trained layer ``L - N`` (id ``L - N - 1``) and the last layer's output (id ``L - 1``,
+    before the final norm: :func:`split_states` norms it into the last hidden state)."""
+    start = num_layers - n_layers
+    return (start - 1, num_layers - 1) if start else (num_layers - 1,)
+
+
+def split_states(rows: list[dict], norm: nn.Module) -> None:
+    """Rows' stage-2 ``target_features`` (:func:`stage2_layers`) into ``layer_input`` ``[T, D]`` (absent when
+    every layer trains) and ``hidden_states`` ``[T, D]``, the last layer's output through the target's final
+    ``norm``: what the LM head reads, as the whole forward gives it. In place; rows split before are left."""
+    width = norm.weight.shape[-1]
+    with torch.no_grad():
+        for r in rows:
+            features = r.pop("target_features", None)
+            if features is None:
+                continue
+            if features.shape[-1] == 2 * width:
+                layer_input, features = features.split(width, dim=-1)
+                r["layer_input"] = layer_input.clone()
+            r["hidden_states"] = norm(features.to(norm.weight.device, norm.weight.dtype)).to("cpu", features.dtype)
+
+
+def trained_hidden_states(target: PreTrainedModel, batch: dict, n_layers: int) -> torch.Tensor:
+    """``[B, T, D]`` last hidden states of ``target`` whose last ``n_layers`` layers train: those layers run on
+    the batch's cached ``layer_input`` (the whole forward when every layer trains)."""
+    start = len(decoder_layers(target)) - n_layers
+    return hidden_states_from(target, batch["input_ids"], batch["attention_mask"], start, batch.get("layer_input"))
+
+
 class _Stage2Module(nn.Module):
     def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float, kl_weight: float):
         super().__init__()
@@ -75,7 +108,7 @@ class _Stage2Module(nn.Module):
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         target = self.frozen[0]
         lm_head = target.get_output_embeddings()
-        hidden = target.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        hidden = trained_hidden_states(target, batch, len(self.layers))
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
         head_loss, metrics = medusa_loss(self.heads, hidden, labels, valid, lm_head, self.decay)
         positions = next_token_positions(batch["loss_mask"])
@@ -93,14 +126,17 @@ def check_unfreeze(target: PreTrainedModel, stage2) -> None:
 
 
 class MedusaStage2(ModuleStrategy):
-    """Heads plus the last ``n_layers`` decoder layers; ``hidden_states`` in the batch are the original
-    (stage-1) target's, the teacher of the self-distillation term."""
+    """Heads plus the last ``n_layers`` decoder layers, run on the batch's ``layer_input`` (the frozen layers'
+    output, cached); ``hidden_states`` in the batch are the original (stage-1) target's, the teacher of the
+    self-distillation term."""
     name = "stage2"
-    required_fields = ("input_ids", "attention_mask", "loss_mask", "hidden_states")
 
     def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float,
                  kl_weight: float, backbone_lr_scale: float):
         self.module = _Stage2Module(heads, target, n_layers, decay, kl_weight)
+        every = n_layers == len(decoder_layers(target))
+        self.required_fields = ("input_ids", "attention_mask", "loss_mask", "hidden_states",
+                                *(() if every else ("layer_input",)))
         self.module.layers.requires_grad_(True)
         self.backbone_lr_scale = backbone_lr_scale
 

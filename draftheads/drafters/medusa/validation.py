@@ -3,7 +3,7 @@
 The drift (after stage 2) compares the trained target with the original on held-out rows, teacher-forced:
 KL(original || trained) per next token, greedy-token agreement, and response perplexity under both.
 The original's hidden states are the cached ones (``row["hidden_states"]``), so the original model is
-not kept in memory.
+not kept in memory; the trained target's come from its trained layers run on the cached ``layer_input``.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import torch
 import torch.nn.functional as F
 
 from draftheads.data.batching import collate
-from draftheads.data.hidden_states import last_hidden_states
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
-from draftheads.drafters.medusa.training import next_token_positions, self_distillation
-from draftheads.models.partial import is_partial
+from draftheads.drafters.medusa.training import next_token_positions, self_distillation, trained_hidden_states
 
 
 TOPK_RANKS = 10
 
 
 @torch.inference_mode()
-def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int,
-             pad_token_id: int) -> tuple[dict[str, float], list[list[float]]]:
-    """Metrics over ``rows`` (each with the original target's ``hidden_states``), weighted by tokens.
+def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_token_id: int,
+             trained_layers: int = 0) -> tuple[dict[str, float], list[list[float]]]:
+    """Metrics over ``rows`` (each with the original target's ``hidden_states``, and ``layer_input`` when stage
+    2 trained the last ``trained_layers`` layers of ``target``; 0: the target is the original), weighted by
+    tokens.
 
     Returns:
         ``val/head{k}_top1|top5|loss`` and ``drift/kl_to_original``, ``drift/greedy_agreement``,
@@ -41,8 +41,8 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int,
     rank_hits = torch.zeros(heads.num_heads, TOPK_RANKS)
     for s in range(0, len(rows), batch_size):
         batch = {k: v.to(device) for k, v in collate(rows[s:s + batch_size], pad_token_id).items()}
-        hidden = (batch["hidden_states"] if is_partial(target) else  # a partial target is the original
-                  last_hidden_states(target, batch["input_ids"], batch["attention_mask"]))
+        hidden = (trained_hidden_states(target, batch, trained_layers) if trained_layers else
+                  batch["hidden_states"])
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)
         _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=1.0)
         states = heads.head_states(hidden)
