@@ -4,11 +4,12 @@ test run).
     python tests/benchmarks/bench_vllm_states.py vllm.venv=/path/to/vllm-venv            # SmolLM2, the main job's rows
     python tests/benchmarks/bench_vllm_states.py vllm.venv=... data.num_train_prompts=64 stage1.max_steps=20
 
-For the Medusa job's cache (last hidden states) and the DFlash job's (5 layers): the wall time of
-``train/cache_hidden_states.py`` with each backend (vLLM's includes its engine start), the largest difference
-between the two caches' states (absolute, and relative to the row's largest state), and Medusa stage 1 trained
-on the partial target from each cache: its loss curves and the largest difference between the two sets of heads.
-The answers must be regenerated already (run the job once).
+For the Medusa job's cache (with stage 2: the outputs of the layer before the last 4 and of the last layer)
+and the DFlash job's (5 layers): the wall time of ``train/cache_hidden_states.py`` with each backend (vLLM's
+includes its engine start), the largest difference between the two caches' states (absolute, and relative to
+the row's largest state), and each drafter trained on the partial target from each cache (Medusa both stages,
+``stage1.``/``stage2.``/``train.`` overrides set the steps): its loss curve, held-out accuracy, and the largest
+difference between the two trained drafters' weights. The answers must be regenerated already (run the job once).
 """
 
 from __future__ import annotations
@@ -42,9 +43,19 @@ def compare(a: Path, b: Path) -> tuple[float, float]:
     return worst_abs, worst_rel
 
 
+STEPS = {"medusa": ["stage1.max_steps=30", "stage2.max_steps=10"], "dflash": ["train.max_steps=30"]}
+"""Training steps per drafter; an override of the same group (``stage1.``, ``stage2.``, ``train.``) replaces them."""
+WEIGHTS = {"medusa": "medusa_heads/medusa_heads.safetensors", "dflash": "export/dflash/model.safetensors"}
+ACCURACY = {"medusa": "val/head1_top1", "dflash": "val/acc_pos1"}
+
+
+def group(override: str) -> str:
+    return override.split(".")[0]
+
+
 def main(overrides: list[str]) -> None:
-    job_keys = [o for o in overrides if not o.startswith(("vllm.", "stage1."))]
-    train_keys = [o for o in overrides if o.startswith("stage1.")] or ["stage1.max_steps=30"]
+    steps = [o for o in overrides if group(o) in {group(k) for keys in STEPS.values() for k in keys}]
+    job_keys = [o for o in overrides if not o.startswith("vllm.") and o not in steps]
     with tempfile.TemporaryDirectory() as tmp:
         print(f"{'cache':<8} {'backend':<13} {'wall s':>7} {'max |diff|':>11} {'max rel':>9}")
         caches = {}
@@ -58,20 +69,22 @@ def main(overrides: list[str]) -> None:
                               f"output_dir={tmp}/run", "tracker=none", *extra, *job_keys)
                 diff = compare(caches[name, "transformers"], folder) if backend == "vllm" else (0.0, 0.0)
                 print(f"{name:<8} {backend:<13} {seconds:>7.1f} {diff[0]:>11.2e} {diff[1]:>9.2e}")
-        heads = {}
-        for backend in ("transformers", "vllm"):
-            out = Path(tmp) / f"train-{backend}"
-            run("train/medusa.py", "data.hidden_states=offline", "data.hidden_states_dtype=float32",
-                f"data.hidden_states_dir={caches['medusa', backend]}", "model.partial=true", "stage2.enabled=false",
-                "eval.enabled=false", "export=false", "tracker=none", f"output_dir={out}", *train_keys, *job_keys)
-            report = json.loads((out / "report.json").read_text())
-            losses = [p["stage1/loss"] for p in report["train_curves"]["stage1"]]
-            heads[backend] = load_file(str(out / "medusa_heads" / "medusa_heads.safetensors"))
-            print(f"medusa stage 1 from the {backend} cache: loss {' '.join(f'{x:.4f}' for x in losses)}, "
-                  f"head1 top-1 {report['validation']['val/head1_top1']:.4f}")
-        a, b = heads["transformers"], heads["vllm"]
-        print(f"heads: largest weight difference {max((a[k] - b[k]).abs().max().item() for k in a):.2e} "
-              f"(largest weight {max(a[k].abs().max().item() for k in a):.2e})")
+        for name in ("medusa", "dflash"):
+            weights = {}
+            for backend in ("transformers", "vllm"):
+                out = Path(tmp) / f"train-{name}-{backend}"
+                mine = [o for o in steps if group(o) in {group(k) for k in STEPS[name]}] or STEPS[name]
+                run(f"train/{name}.py", "data.hidden_states=offline", "data.hidden_states_dtype=float32",
+                    f"data.hidden_states_dir={caches[name, backend]}", "model.partial=true", "eval.enabled=false",
+                    "tracker=none", f"output_dir={out}", *mine, *job_keys)
+                report = json.loads((out / "report.json").read_text())
+                losses = [p[f"{stage}/loss"] for stage, curve in report["train_curves"].items() for p in curve]
+                weights[backend] = load_file(str(out / WEIGHTS[name]))
+                print(f"{name} from the {backend} cache: loss {' '.join(f'{x:.4f}' for x in losses)}, "
+                      f"{ACCURACY[name]} {report['validation'][ACCURACY[name]]:.4f}")
+            a, b = weights["transformers"], weights["vllm"]
+            print(f"{name}: largest weight difference {max((a[k] - b[k]).abs().max().item() for k in a):.2e} "
+                  f"(largest weight {max(a[k].abs().max().item() for k in a):.2e})")
 
 
 if __name__ == "__main__":
