@@ -7,7 +7,9 @@ Contracts:
   layer Medusa's stage 2 trains);
 - a batch: ``input_ids`` [B, T] int64, ``attention_mask`` [B, T] int64, ``loss_mask`` [B, T] bool, and
   ``hidden_states`` [B, T, D] / ``target_features`` [B, T, K*D] / ``layer_input`` [B, T, D] when the rows carry
-  them; right padding (positions unchanged).
+  them; right padding (positions unchanged);
+- a packed batch (:func:`pack`): the same keys for ``B = 1`` without padding and without ``attention_mask``, plus
+  ``position_ids`` [1, N] restarting at 0 per row and ``documents`` [1, N] (each token's row in the batch).
 """
 
 from __future__ import annotations
@@ -126,8 +128,10 @@ def data_scalars(report: DataReport) -> dict[str, float]:
     return out
 
 
-def padding_fraction(rows: list[dict], batch_size: int, seed: int) -> float:
-    """Share of pad tokens in the first epoch's length-grouped batches of ``rows``."""
+def padding_fraction(rows: list[dict], batch_size: int, seed: int, packed: bool = False) -> float:
+    """Share of pad tokens in the first epoch's length-grouped batches of ``rows`` (0 when ``packed``)."""
+    if packed:
+        return 0.0
     batches = epoch_batches(rows, batch_size, seed, 0)
     real = sum(len(r["input_ids"]) for b in batches for r in b)
     padded = sum(len(b) * max(len(r["input_ids"]) for r in b) for b in batches)
@@ -157,6 +161,119 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
         for k in states:
             batch[k][i, :n] = r[k]
     return batch
+
+
+def pack(rows: list[dict], pad_token_id: int | None = None) -> dict[str, torch.Tensor]:
+    """Rows packed into one sequence without padding (see the module docstring for keys and shapes). There is
+    no ``attention_mask``: given ``position_ids`` that restart per row and no mask, transformers builds the
+    block-diagonal causal mask itself (``masking_utils.find_packed_sequence_indices``; flash-attention's varlen
+    path reads the same positions), so attention never crosses rows. ``pad_token_id`` is unused (the
+    signature of :func:`collate`)."""
+    batch = {"input_ids": torch.cat([r["input_ids"] for r in rows])[None],
+             "position_ids": torch.cat([torch.arange(len(r["input_ids"])) for r in rows])[None],
+             "loss_mask": torch.cat([r["loss_mask"] for r in rows])[None],
+             "documents": torch.cat([torch.full((len(r["input_ids"]),), i) for i, r in enumerate(rows)])[None]}
+    for k in PER_TOKEN_STATES:
+        if k in rows[0]:
+            batch[k] = torch.cat([r[k] for r in rows])[None]
+    return batch
+
+
+def token_batches(rows: list[dict], tokens_per_batch: int, seed: int, epoch: int) -> list[list[dict]]:
+    """Batches of at most ``tokens_per_batch`` tokens (a longer row alone), in an order fixed by ``(seed,
+    epoch)``: rows are shuffled, taken in windows of about 8 batches' tokens, packed first-fit by decreasing
+    length inside a window (few tokens short of the budget), and the batches shuffled."""
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(rows)))
+    rng.shuffle(order)
+    length = [len(r["input_ids"]) for r in rows]
+    batches, window, held = [], [], 0
+    for n, i in enumerate(order):
+        window.append(i)
+        held += length[i]
+        if held >= 8 * tokens_per_batch or n == len(order) - 1:
+            bins: list[list] = []  # [tokens, row indices]
+            for j in sorted(window, key=lambda j: -length[j]):
+                fit = next((b for b in bins if b[0] + length[j] <= tokens_per_batch), None)
+                if fit is None:
+                    fit = [0, []]
+                    bins.append(fit)
+                fit[0] += length[j]
+                fit[1].append(j)
+            batches += [[rows[j] for j in b] for _, b in bins]
+            window, held = [], 0
+    rng.shuffle(batches)
+    return batches
+
+
+class BatchPlan:
+    """This process's micro-batches, epoch after epoch, fixed by the seed so a resumed run replays them: its
+    share of the rows (:func:`rank_shard`) in length-grouped batches of ``batch_size`` rows (padded), or with
+    ``tokens_per_batch`` in packed batches of that many tokens (:func:`token_batches`, :func:`pack`).
+
+    Every process runs the same number of micro-batches per epoch, or collectives would wait forever: packed,
+    each process packs every process's share (lengths only), and a share packed into fewer batches than the
+    most splits its batches of most rows in two until it has as many (:func:`_stretch`); only when that cannot
+    reach the count (every batch a single row) are the last batches of the others left out that epoch."""
+
+    def __init__(self, rows: list[dict], rank: int, world_size: int, batch_size: int, tokens_per_batch: int | None,
+                 seed: int):
+        self.shards = [rank_shard(rows, r, world_size) for r in range(world_size)]
+        self.rank, self.batch_size, self.tokens_per_batch, self.seed = rank, batch_size, tokens_per_batch, seed
+        self.packed = tokens_per_batch is not None
+        self._epoch: tuple[int, list[list[dict]]] = (-1, [])
+        self._counts: dict[int, int] = {}
+
+    def _batches(self, shard: list[dict], epoch: int) -> list[list[dict]]:
+        if self.packed:
+            return token_batches(shard, self.tokens_per_batch, self.seed, epoch)
+        return epoch_batches(shard, self.batch_size, self.seed, epoch)
+
+    def count(self, epoch: int) -> int:
+        """Micro-batches per process in ``epoch``."""
+        if epoch not in self._counts:
+            shards = self.shards if self.packed else self.shards[:1]  # padded shares all cut alike
+            planned = [self._batches(s, epoch) for s in shards]
+            most = max(len(b) for b in planned)
+            self._counts[epoch] = min(len(_stretch(b, most)) for b in planned)
+        return self._counts[epoch]
+
+    def epoch(self, epoch: int) -> list[list[dict]]:
+        """This process's micro-batches of ``epoch`` (rows each)."""
+        if self._epoch[0] != epoch:
+            count = self.count(epoch)
+            self._epoch = (epoch, _stretch(self._batches(self.shards[self.rank], epoch), count)[:count])
+        return self._epoch[1]
+
+    def total(self, epochs: float) -> int:
+        """Micro-batches in ``epochs`` (a fraction of the last epoch counts its share), at least 1."""
+        whole = int(epochs)
+        return max(1, sum(self.count(e) for e in range(whole)) + int((epochs - whole) * self.count(whole)))
+
+    def locate(self, micro: int) -> tuple[int, int]:
+        """``(epoch, index)`` of micro-batch number ``micro`` (0-based, counted from the stage's start)."""
+        epoch = 0
+        while micro >= self.count(epoch):
+            micro -= self.count(epoch)
+            epoch += 1
+        return epoch, micro
+
+    def collate(self, rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
+        """The micro-batch of ``rows``: packed or right-padded."""
+        return (pack if self.packed else collate)(rows, pad_token_id)
+
+
+def _stretch(batches: list[list[dict]], count: int) -> list[list[dict]]:
+    """``batches`` with the one of most rows split in two halves, again and again, until there are ``count``
+    (or every batch is a single row)."""
+    batches = list(batches)
+    while len(batches) < count:
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        if len(batches[i]) < 2:
+            break
+        half = len(batches[i]) // 2
+        batches[i:i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches
 
 
 def rank_shard(rows: list, rank: int, world_size: int) -> list:

@@ -307,14 +307,17 @@ class _Resumed(nn.Module):
         return self.states
 
 
-def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor, start: int,
-                       states: torch.Tensor | None) -> torch.Tensor:
+def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                       start: int, states: torch.Tensor | None,
+                       position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, T, D]`` last hidden states (after the final norm) of ``model`` for ``[B, T]`` ids when decoder layer
     ``start`` reads ``states`` ``[B, T, D]`` (the output of layer ``start - 1``, layer id ``start - 1``):
     layers ``0..start-1`` are not run, so a partial target (:mod:`draftheads.models.partial`) need not hold
     them. ``start`` 0 (``states`` None) is the whole forward. The model's own forward runs everything else
     (its attention masks, sliding windows, RoPE per layer type, final norm), with autograd as the caller has
-    it. Raises ``ValueError`` for ``start`` outside ``0..L-1``, or states given for ``start`` 0."""
+    it; a packed batch gives ``position_ids`` restarting per row and no ``attention_mask``
+    (:func:`~draftheads.data.batching.pack`). Raises ``ValueError`` for ``start`` outside ``0..L-1``, or
+    states given for ``start`` 0."""
     layers = decoder_layers(model)
     if not 0 <= start < len(layers) or (start == 0) != (states is None):
         raise ValueError(f"start={start} with states {'given' if states is not None else 'None'}: decoder layer "
@@ -324,7 +327,8 @@ def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attentio
     try:
         for i in range(start):
             layers[i] = stand_in
-        return model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                use_cache=False).last_hidden_state  # with a cache transformers ignores packing
     finally:
         for i, layer in enumerate(skipped):
             layers[i] = layer

@@ -89,8 +89,8 @@ def likely(model, tokenizer, token_id: int, prompts: list[list[int]], share: flo
 
 def test_the_last_layers_run_on_a_cached_layer_state_give_the_whole_forward(family):
     """Medusa stage 2 runs only the layers it trains, from the cached output of the layer before: for every
-    family (sliding windows past the window, RoPE per layer type, Gemma's scaled embedding), padded rows
-    included, the last hidden states equal the whole forward's, and gradients reach only the layers run."""
+    family (sliding windows past the window, RoPE per layer type, Gemma's scaled embedding), padded or packed,
+    the last hidden states equal the whole forward's, and gradients reach only the layers run."""
     _, model, _ = family
     L, T = len(decoder_layers(model)), 40  # past the tiny sliding window (16)
     ids = torch.randint(3, model.config.vocab_size, (2, T))
@@ -102,6 +102,11 @@ def test_the_last_layers_run_on_a_cached_layer_state_give_the_whole_forward(fami
         got = hidden_states_from(model, ids, mask, start, outputs[start - 1])
         keep = mask.bool()
         assert torch.allclose(got[keep], whole[keep], atol=1e-5), start
+    n = [T, 25]  # packed back to back, positions restarting: each row as if alone
+    packed = hidden_states_from(model, torch.cat([ids[0], ids[1, :n[1]]])[None], None, 1,
+                                torch.cat([outputs[0][0], outputs[0][1, :n[1]]])[None],
+                                torch.cat([torch.arange(k) for k in n])[None])
+    assert torch.allclose(packed[0], whole[mask.bool()], atol=1e-5)
     model.zero_grad(set_to_none=True)
     model.requires_grad_(True)
     hidden_states_from(model, ids, mask, L - 1, outputs[L - 2]).sum().backward()

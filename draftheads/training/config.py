@@ -227,7 +227,12 @@ class TrainerConfig:
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
     batch_size: int = 8
-    """Rows per process per micro-batch."""
+    """Rows per process per micro-batch, right-padded to the longest (unless ``tokens_per_batch`` is set)."""
+    tokens_per_batch: int | None = None
+    """Micro-batches sized by tokens instead: rows packed into one sequence of at most this many tokens per
+    process, without padding (positions restart per row, attention never crosses rows; a longer row is a
+    micro-batch alone). Every process runs the same number of micro-batches per epoch (a process whose share
+    packs into more leaves its last ones of that epoch out). Drafters that pack: Medusa (both stages)."""
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 10
@@ -252,7 +257,8 @@ class TrainerConfig:
     def __post_init__(self):
         positive = {"lr": self.lr, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
                     "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
-                    "hidden_states_batch_size": self.hidden_states_batch_size, "max_grad_norm": self.max_grad_norm}
+                    "hidden_states_batch_size": self.hidden_states_batch_size, "max_grad_norm": self.max_grad_norm,
+                    "tokens_per_batch": 1 if self.tokens_per_batch is None else self.tokens_per_batch}
         bad = [f"trainer.{k}={v}" for k, v in positive.items() if not v > 0]
         bad += [f"trainer.{k}={v}" for k, v in (("weight_decay", self.weight_decay), ("keep_last", self.keep_last))
                 if v < 0]

@@ -70,6 +70,9 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
     if conf.model.partial and recipe is not None:
         check_partial(conf, recipe)
+    if conf.trainer.tokens_per_batch is not None and recipe is not None and not recipe.packs:
+        raise ValueError(f"trainer.tokens_per_batch={conf.trainer.tokens_per_batch}: {recipe.name} does not train on "
+                         f"packed batches yet; leave it unset (micro-batches of trainer.batch_size rows)")
     out = Path(conf.output_dir)
     claim = recipe is not None and not conf.resume
     if claim:  # refused before the tracker starts a run there
@@ -175,7 +178,8 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = 
         raise ValueError(f"no {'training' if not train_rows else 'validation'} row left after skipping bad ones "
                          f"({report.describe()}; first errors: {report.examples}): add rows "
                          f"(data.num_train_prompts, data.num_val_prompts) or fix the data")
-    report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed)
+    report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed,
+                                               packed=conf.trainer.tokens_per_batch is not None)
     print0(accelerator, f"data: {report.describe()}")
     for reason, example in report.examples.items():
         print0(accelerator, f"  first {reason}: {example}")

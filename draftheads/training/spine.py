@@ -7,7 +7,6 @@ warmup + cosine, gradient accumulation and clipping, metrics, checkpoints and ex
 
 from __future__ import annotations
 
-import math
 import time
 import weakref
 from collections import defaultdict
@@ -23,7 +22,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from draftheads.data.batching import collate, epoch_batches, rank_shard
+from draftheads.data.batching import BatchPlan
 from draftheads.training.checkpoint import save_checkpoint
 from draftheads.training.sharding import configure_engine, full_state_dict, plain_twin, sharded
 
@@ -110,16 +109,15 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
     Returns:
         the final :class:`TrainState`.
     """
-    shard = rank_shard(rows, accelerator.process_index, accelerator.num_processes)
-    per_epoch = math.ceil(len(shard) / trainer.batch_size)
-    total_micro = max(1, int(stage.epochs * per_epoch))
-    total_steps = total_micro // trainer.grad_accum
+    plan = BatchPlan(rows, accelerator.process_index, accelerator.num_processes, trainer.batch_size,
+                     trainer.tokens_per_batch, trainer.seed)
+    total_steps = plan.total(stage.epochs) // trainer.grad_accum
     if stage.max_steps is not None:
         total_steps = min(total_steps, stage.max_steps)
     total_micro = total_steps * trainer.grad_accum
     if total_steps < 1:
-        raise ValueError(f"{strategy.name}: {len(shard)} rows per process, batch_size {trainer.batch_size} and "
-                         f"grad_accum {trainer.grad_accum} give no optimizer step; add data or epochs")
+        raise ValueError(f"{strategy.name}: {len(plan.shards[0])} rows per process in {plan.count(0)} micro-batches "
+                         f"per epoch and grad_accum {trainer.grad_accum} give no optimizer step; add data or epochs")
     if trainer.nonfinite == "skip" and trainer.grad_accum != 1:
         raise ValueError(f"trainer.nonfinite=skip needs trainer.grad_accum 1 (it is {trainer.grad_accum}) "
                          f"(skipping part of an accumulation window would desynchronise the ranks' gradients)")
@@ -141,16 +139,14 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
     flops_per_token = None  # trainer.count_flops: model FLOPs per attended token, from the first micro-batch
     bar = tqdm(total=total_steps, initial=state.step, desc=f"{strategy.name} training", unit="step",
                disable=not accelerator.is_main_process)
-    epoch_cache: tuple[int, list] = (-1, [])
     saved_step = state.step
     module.train()
     while state.micro < total_micro:
-        epoch, index = divmod(state.micro, per_epoch)
-        if epoch_cache[0] != epoch:
-            epoch_cache = (epoch, epoch_batches(shard, trainer.batch_size, trainer.seed, epoch))
-        batch = collate(epoch_cache[1][index], pad_token_id)
+        epoch, index = plan.locate(state.micro)
+        batch_rows = plan.epoch(epoch)[index]
+        batch = plan.collate(batch_rows, pad_token_id)
         tokens += int(batch["loss_mask"].sum())  # on the CPU copies: no device sync
-        attended += int(batch["attention_mask"].sum())
+        attended += sum(len(r["input_ids"]) for r in batch_rows)
         batch = _to_device(batch, accelerator.device)
         _check_fields(strategy, batch)
         counter = (FlopCounterMode(display=False, custom_mapping=_NO_ATTENTION_FLOPS)
@@ -160,7 +156,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
             if not _finite_everywhere(accelerator, loss):
                 where = (f"[{strategy.name}] non-finite loss at optimizer step {state.step + 1} (epoch {epoch}, "
                          f"batch {index}, micro-batch {state.micro}); this rank's loss {loss.item()}, rows "
-                         f"{[(r['source'], r['row']) for r in epoch_cache[1][index]]}")
+                         f"{[(r['source'], r['row']) for r in batch_rows]}")
                 if trainer.nonfinite == "stop":
                     raise FloatingPointError(where + "; trainer.nonfinite=skip skips such batches")
                 accelerator.print(where + ": skipped")
@@ -176,7 +172,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
                 scheduler.step()
             optimizer.zero_grad()
         if isinstance(counter, FlopCounterMode):
-            flops_per_token = counter.get_total_flops() / int(batch["attention_mask"].sum())
+            flops_per_token = counter.get_total_flops() / sum(len(r["input_ids"]) for r in batch_rows)
         state.micro += 1
         window["loss"].append(loss.detach())
         for k, v in metrics.items():

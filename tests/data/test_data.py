@@ -14,7 +14,8 @@ import torch
 from transformers import AutoTokenizer
 
 import draftheads.data.regenerate as regen_mod
-from draftheads.data.batching import DataReport, collate, epoch_batches, rank_shard, rows_from_chats
+from draftheads.data.batching import (BatchPlan, DataReport, collate, epoch_batches, pack, rank_shard, rows_from_chats,
+                                      token_batches)
 from draftheads.data.conversations import Chat, first_user_prompts, load_chats
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
@@ -358,6 +359,56 @@ def test_epoch_batches_deterministic_complete_and_length_grouped():
         for b in batches:  # sorted by length inside a window, so inside each batch too
             lengths = [len(r["input_ids"]) for r in b]
             assert lengths == sorted(lengths)
+
+
+def _rows_of_lengths(n: int, seed: int = 0, longest: int = 60) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(0, 9, (int(t),), generator=g), "loss_mask": torch.rand(int(t), generator=g) > .5,
+             "hidden_states": torch.randn(int(t), 3, generator=g), "row": i}
+            for i, t in enumerate(torch.randint(1, longest, (n,), generator=g))]
+
+
+def test_token_batches_hold_the_budget_cover_every_row_once_and_are_nearly_full():
+    rows = _rows_of_lengths(300)
+    rows.append({**rows[0], "input_ids": torch.zeros(150, dtype=torch.long), "row": 300})  # over the budget
+
+    def order(seed, epoch):
+        return [[r["row"] for r in b] for b in token_batches(rows, 128, seed, epoch)]
+
+    assert order(0, 0) == order(0, 0) and order(0, 0) != order(0, 1) and order(0, 0) != order(1, 0)
+    batches = token_batches(rows, 128, 0, 0)
+    assert sorted(r["row"] for b in batches for r in b) == list(range(301))
+    sizes = [sum(len(r["input_ids"]) for r in b) for b in batches]
+    assert [b for b, n in zip(batches, sizes) if n > 128] == [[rows[300]]]  # the long row alone
+    assert sum(sizes) / (128 * len(batches)) > 0.9  # first-fit decreasing leaves little of the budget unused
+
+
+def test_a_packed_batch_holds_the_rows_back_to_back_with_positions_restarting():
+    rows = _rows_of_lengths(3)
+    batch = pack(rows)
+    n = [len(r["input_ids"]) for r in rows]
+    assert "attention_mask" not in batch and batch["input_ids"].shape == (1, sum(n))
+    assert torch.equal(batch["input_ids"][0], torch.cat([r["input_ids"] for r in rows]))
+    assert torch.equal(batch["hidden_states"][0], torch.cat([r["hidden_states"] for r in rows]))
+    assert batch["position_ids"][0].tolist() == [t for k in n for t in range(k)]
+    assert batch["documents"][0].tolist() == [i for i, k in enumerate(n) for _ in range(k)]
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_packed_plan_gives_every_process_the_same_number_of_batches_each_epoch(world_size):
+    """Shares that pack into fewer batches split some in two, so no row is left out."""
+    rows = _rows_of_lengths(200, seed=1)
+    plans = [BatchPlan(rows, r, world_size, 8, 100, seed=0) for r in range(world_size)]
+    for epoch in range(3):
+        counts = {len(p.epoch(epoch)) for p in plans}
+        assert counts == {plans[0].count(epoch)}
+        seen = sorted(r["row"] for p in plans for b in p.epoch(epoch) for r in b)
+        assert seen == [r["row"] for p in plans for r in p.shards[p.rank]]  # every row of every share, once
+    plan = plans[0]
+    assert plan.total(2.5) == plan.count(0) + plan.count(1) + plan.count(2) // 2
+    assert plan.locate(plan.count(0)) == (1, 0) and plan.locate(plan.count(0) - 1) == (0, plan.count(0) - 1)
+    padded = BatchPlan(rows, 0, world_size, 8, None, seed=0)
+    assert padded.epoch(0) == epoch_batches(rank_shard(rows, 0, world_size), 8, 0, 0)
 
 
 # ----------------------------------------------------------------------------------------------- regenerate

@@ -1,7 +1,11 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
+from draftheads.data.batching import collate, pack
+from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
+from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, split_states, stage2_layers
 
 
 def test_fresh_heads_are_identity_and_predict_like_the_lm_head():
@@ -94,3 +98,35 @@ def test_loss_is_the_decayed_sum_of_per_head_cross_entropies():
                    for k in range(2))
     torch.testing.assert_close(loss, expected)
     assert set(m) == {f"head{k}_{n}" for k in (1, 2) for n in ("loss", "top1", "top5")}
+
+
+@pytest.mark.parametrize("stage", ["stage1", "stage2"])
+def test_a_packed_batch_gives_the_padded_batchs_loss_and_gradients(stage, tiny):
+    """Rows packed back to back (no padding, no label or attention across rows) train exactly what the same
+    rows padded train: Medusa's labels and the self-distillation positions stop at each row's end."""
+    model, _ = tiny
+    L = model.config.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(3, model.config.vocab_size, (n,), generator=g),
+             "loss_mask": torch.rand(n, generator=g) > 0.3} for n in (23, 9, 17)]
+    attach_hidden_states(model, rows, 8, 0, show_progress=False, layer_ids=stage2_layers(L, 2))
+    split_states(rows, model.get_decoder().norm)
+    heads = MedusaHeads(model.config.hidden_size, model.config.vocab_size, num_heads=3)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.02)
+    strategy = (MedusaStage1(heads, model, decay=0.8) if stage == "stage1" else
+                MedusaStage2(heads, model, 2, decay=0.8, kl_weight=1.0, backbone_lr_scale=0.1))
+    results = []
+    for batch in (collate(rows, 0), pack(rows)):
+        strategy.module.zero_grad(set_to_none=True)
+        loss, metrics = strategy.forward_loss(strategy.module, batch)
+        loss.backward()
+        results.append((loss.detach(), {k: v.float() for k, v in metrics.items()},
+                        [p.grad.clone() for p in strategy.module.parameters() if p.requires_grad]))
+    model.requires_grad_(False)
+    (padded, padded_metrics, padded_grads), (packed, packed_metrics, packed_grads) = results
+    torch.testing.assert_close(packed, padded)
+    torch.testing.assert_close(packed_metrics, padded_metrics)
+    for a, b in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -148,8 +148,8 @@ def test_slurm_script_is_valid_bash():
     assert sorted(p.stem for p in LAUNCH.glob("*.yaml")) == sorted(EXPECTED_LAUNCH)
 
 
-@pytest.mark.parametrize("override", ["trainer.batch_size=0", "trainer.lr=-1", "trainer.grad_accum=0",
-                                      "trainer.warmup_ratio=1.5", "trainer.keep_last=-1"])
+@pytest.mark.parametrize("override", ["trainer.batch_size=0", "trainer.tokens_per_batch=0", "trainer.lr=-1",
+                                      "trainer.grad_accum=0", "trainer.warmup_ratio=1.5", "trainer.keep_last=-1"])
 def test_out_of_range_trainer_settings_fail_when_the_config_is_made(override):
     with pytest.raises(ValueError, match=override.split("=")[0]):
         to_schema(_compose(override))

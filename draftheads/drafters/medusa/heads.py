@@ -116,16 +116,19 @@ class MedusaHeads(nn.Module):
         return torch.stack([self.head_logits(k, states[k], lm_head) for k in range(self.num_heads)])
 
 
-def medusa_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def medusa_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int,
+                   documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Labels and validity for every head at every position.
 
     Head k (1-based) at position t predicts ``input_ids[t + k + 1]``; the pair counts when that label is an
-    assistant token (``loss_mask`` true).
+    assistant token (``loss_mask`` true) of the same row.
 
     Args:
         input_ids: ``[B, T]`` int64.
         loss_mask: ``[B, T]`` bool, true on tokens the loss covers.
         num_heads: K.
+        documents: ``[B, T]`` each token's row in a packed batch (:func:`~draftheads.data.batching.pack`), or
+            None (one row per batch line).
     Returns:
         labels ``[K, B, T]`` int64 (0 where invalid) and valid ``[K, B, T]`` bool.
     """
@@ -138,6 +141,8 @@ def medusa_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: 
             break
         labels[k - 1, :, :-shift] = input_ids[:, shift:]
         valid[k - 1, :, :-shift] = loss_mask[:, shift:]
+        if documents is not None:
+            valid[k - 1, :, :-shift] &= documents[:, shift:] == documents[:, :-shift]
     return labels, valid
 
 

@@ -29,6 +29,7 @@ class Medusa:
     schema = MedusaRunConfig
     stages = ("stage1", "stage2")
     vllm_weights = "export/vllm"
+    packs = True
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """Stage 2's unfrozen layers exist."""

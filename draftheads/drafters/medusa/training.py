@@ -25,10 +25,13 @@ from draftheads.models.target import decoder_layers, hidden_states_from
 from draftheads.training.spine import ModuleStrategy
 
 
-def next_token_positions(loss_mask: torch.Tensor) -> torch.Tensor:
-    """``[B, T]`` bool: positions t whose next token t+1 is trained (the base LM head's label)."""
+def next_token_positions(loss_mask: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T]`` bool: positions t whose next token t+1 is trained (the base LM head's label) and, in a packed
+    batch (``documents``, each token's row), of the same row."""
     nxt = torch.zeros_like(loss_mask)
     nxt[:, :-1] = loss_mask[:, 1:]
+    if documents is not None:
+        nxt[:, :-1] &= documents[:, 1:] == documents[:, :-1]
     return nxt
 
 
@@ -40,7 +43,8 @@ class _Stage1Module(nn.Module):
         self.decay = decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads,
+                                       batch.get("documents"))
         return medusa_loss(self.heads, batch["hidden_states"], labels, valid, self.frozen[0], self.decay)
 
 
@@ -92,9 +96,10 @@ def split_states(rows: list[dict], norm: nn.Module) -> None:
 
 def trained_hidden_states(target: PreTrainedModel, batch: dict, n_layers: int) -> torch.Tensor:
     """``[B, T, D]`` last hidden states of ``target`` whose last ``n_layers`` layers train: those layers run on
-    the batch's cached ``layer_input`` (the whole forward when every layer trains)."""
+    the batch's cached ``layer_input`` (the whole forward when every layer trains); padded or packed."""
     start = len(decoder_layers(target)) - n_layers
-    return hidden_states_from(target, batch["input_ids"], batch["attention_mask"], start, batch.get("layer_input"))
+    return hidden_states_from(target, batch["input_ids"], batch.get("attention_mask"), start,
+                              batch.get("layer_input"), batch.get("position_ids"))
 
 
 class _Stage2Module(nn.Module):
@@ -109,9 +114,10 @@ class _Stage2Module(nn.Module):
         target = self.frozen[0]
         lm_head = target.get_output_embeddings()
         hidden = trained_hidden_states(target, batch, len(self.layers))
-        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads)
+        labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads,
+                                       batch.get("documents"))
         head_loss, metrics = medusa_loss(self.heads, hidden, labels, valid, lm_head, self.decay)
-        positions = next_token_positions(batch["loss_mask"])
+        positions = next_token_positions(batch["loss_mask"], batch.get("documents"))
         kl, agree = self_distillation(lm_head(hidden[positions]), lm_head(batch["hidden_states"][positions]))
         metrics.update(heads_loss=head_loss.detach(), kl_to_original=kl.detach(), greedy_agreement=agree)
         return head_loss + self.kl_weight * kl, metrics
@@ -135,8 +141,7 @@ class MedusaStage2(ModuleStrategy):
                  kl_weight: float, backbone_lr_scale: float):
         self.module = _Stage2Module(heads, target, n_layers, decay, kl_weight)
         every = n_layers == len(decoder_layers(target))
-        self.required_fields = ("input_ids", "attention_mask", "loss_mask", "hidden_states",
-                                *(() if every else ("layer_input",)))
+        self.required_fields = ("input_ids", "loss_mask", "hidden_states", *(() if every else ("layer_input",)))
         self.module.layers.requires_grad_(True)
         self.backbone_lr_scale = backbone_lr_scale
 
