@@ -7,7 +7,7 @@ the last N layers it trains besides (run on the cached output of the layer befor
 (``model.partial=true``) is the target's module tree with every parameter on the meta device (no memory), and
 the input embedding, the final norm and the LM head read from its safetensors checkpoint: its memory is
 ``(2 V D + D)`` parameters untied (``V D + D`` tied) whatever the depth, against ``~12 L D^2 + 2 V D`` for the
-whole model, plus ``~12 N D^2`` for N layers held by :func:`hold_layers`. Anything that would run the other
+whole model, plus N decoder layers held by :func:`hold_layers` (Medusa stage 2). Anything that would run the other
 decoder layers (regeneration, a state forward, the evaluator) is refused with an error that says what to do
 instead.
 """

@@ -2,13 +2,15 @@
 
     python tests/benchmarks/bench_training.py                      # SmolLM2-135M on this machine's CPUs
     python tests/benchmarks/bench_training.py model=tiny steps=20  # any config override; steps per job
+    python tests/benchmarks/bench_training.py jobs=stage1,stage1_packed tokens=4096  # packed: tokens per batch
     python tests/benchmarks/bench_training.py model=hf model.name_or_path=meta-llama/Llama-3.2-1B model.dtype=bfloat16
     accelerate launch --config_file launch/fsdp.yaml --num_processes 1 tests/benchmarks/bench_training.py jobs=stage2
 
 Jobs (``jobs=`` keeps some, comma-separated): ``cache`` builds the offline hidden-state cache (timed on its own),
 ``stage1`` Medusa stage 1 with target states computed in memory, ``stage1_offline`` the same read from the
-cache, ``stage2`` Medusa stage 2, ``dflash`` DFlash on precomputed features, ``dflash_online`` with the target
-run per batch. Under ``accelerate launch`` give one training job: accelerate ends its process group with a job.
+cache, ``stage2`` Medusa stage 2, ``stage1_packed`` and ``stage2_packed`` the same on packed batches of
+``tokens=`` tokens (``trainer.tokens_per_batch``, default 2048), ``dflash`` DFlash on precomputed features,
+``dflash_online`` with the target run per batch. Under ``accelerate launch`` give one training job: accelerate ends its process group with a job.
 Overrides go to every job, except ``dflash.*`` ones, which go to the DFlash jobs only.
 
 Prints per job: trainable tokens/s (response tokens trained per second, all ranks) and tokens/s (all attended
@@ -80,22 +82,25 @@ def format_row(r: dict, peak: float | None) -> str:
 
 
 def main(argv: list[str]) -> None:
-    options = dict(a.split("=", 1) for a in argv if a.startswith(("steps=", "jobs=")))
+    options = dict(a.split("=", 1) for a in argv if a.startswith(("steps=", "jobs=", "tokens=")))
     steps = int(options.get("steps", 12))
-    user = [a for a in argv if not a.startswith(("steps=", "jobs=", "dflash."))]
+    packed = f"trainer.tokens_per_batch={options.get('tokens', 2048)}"
+    user = [a for a in argv if not a.startswith(("steps=", "jobs=", "tokens=", "dflash."))]
     dflash_only = [a for a in argv if a.startswith("dflash.")]  # DFlash's own keys reach its jobs only
     out = Path(tempfile.mkdtemp(prefix="bench-"))
     common = ["tracker=none", "eval.enabled=false", "export=false", "trainer.log_every=2", "trainer.count_flops=true",
               f"trainer.checkpoint_every={10 ** 6}", "data.num_train_prompts=64", "data.num_val_prompts=8", *user]
     medusa = [*common, "stage1.max_steps=" + str(steps), "stage1.epochs=100", "stage2.enabled=false"]
+    stage2 = [*common, "stage1.max_steps=1", f"stage2.max_steps={steps}", "stage2.epochs=100"]
     cache = [f"data.hidden_states_dir={out / 'hs'}"]
     dflash = [*common, f"train.max_steps={steps}", "train.epochs=100", "eval.peer_runs=[]"]
     plans = {
         "stage1": ("medusa stage 1, states in memory", "medusa", medusa, "stage1"),
         "stage1_offline": ("medusa stage 1, offline cache", "medusa",
                            [*medusa, "data.hidden_states=offline", *cache], "stage1"),
-        "stage2": ("medusa stage 2 (last 4 layers)", "medusa",
-                   [*common, "stage1.max_steps=1", f"stage2.max_steps={steps}", "stage2.epochs=100"], "stage2"),
+        "stage2": ("medusa stage 2 (last 4 layers)", "medusa", stage2, "stage2"),
+        "stage1_packed": ("medusa stage 1, packed", "medusa", [*medusa, packed], "stage1"),
+        "stage2_packed": ("medusa stage 2, packed", "medusa", [*stage2, packed], "stage2"),
         "dflash": ("dflash, features precomputed", "dflash", dflash, "dflash"),
         "dflash_online": ("dflash, features online", "dflash", [*dflash, "dflash.features=online"], "dflash"),
     }

@@ -9,7 +9,8 @@ and the DFlash job's (5 layers): the wall time of ``train/cache_hidden_states.py
 includes its engine start), the largest difference between the two caches' states (absolute, and relative to
 the row's largest state), and each drafter trained on the partial target from each cache (Medusa both stages,
 ``stage1.``/``stage2.``/``train.`` overrides set the steps): its loss curve, held-out accuracy, and the largest
-difference between the two trained drafters' weights. The answers must be regenerated already (run the job once).
+difference between the two trained drafters' weights and their relative distance (L2 over all weights). The
+answers must be regenerated already (run the job once).
 """
 
 from __future__ import annotations
@@ -83,8 +84,10 @@ def main(overrides: list[str]) -> None:
                 print(f"{name} from the {backend} cache: loss {' '.join(f'{x:.4f}' for x in losses)}, "
                       f"{ACCURACY[name]} {report['validation'][ACCURACY[name]]:.4f}")
             a, b = weights["transformers"], weights["vllm"]
+            norm = sum((a[k].float() ** 2).sum().item() for k in a) ** 0.5
+            apart = sum(((a[k].float() - b[k].float()) ** 2).sum().item() for k in a) ** 0.5
             print(f"{name}: largest weight difference {max((a[k] - b[k]).abs().max().item() for k in a):.2e} "
-                  f"(largest weight {max(a[k].abs().max().item() for k in a):.2e})")
+                  f"(largest weight {max(a[k].abs().max().item() for k in a):.2e}); |a - b| / |a| {apart / norm:.2e}")
 
 
 if __name__ == "__main__":
