@@ -25,21 +25,24 @@ def last_hidden_states(model: PreTrainedModel, input_ids: torch.Tensor, attentio
 
 
 @torch.no_grad()  # not inference_mode: online DFlash training feeds the result to autograd
-def layer_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   layer_ids: Sequence[int]) -> torch.Tensor:
-    """``[B, T, K*D]`` outputs of decoder layers ``layer_ids`` (in that order) for ``[B, T]`` ids.
-    Raises ``ValueError`` for a layer id outside the model."""
+def layer_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   layer_ids: Sequence[int], position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, T, K*D]`` outputs of decoder layers ``layer_ids`` (in that order) for ``[B, T]`` ids, padded
+    (``attention_mask``) or packed (``position_ids`` restarting per row, no mask). Raises ``ValueError`` for a
+    layer id outside the model."""
     with record_layer_outputs(model, layer_ids) as outputs:
-        model.base_model(input_ids=input_ids, attention_mask=attention_mask)
+        model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False)  # with a cache transformers ignores packing
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)
 
 
 def batch_features(batch: dict, model: PreTrainedModel, layer_ids: Sequence[int]) -> torch.Tensor:
     """A batch's ``target_features`` ``[B, T, K*D]``: cached in the batch (precomputed), else from a forward of
-    the frozen ``model`` without autograd (online)."""
+    the frozen ``model`` without autograd (online), padded or packed."""
     features = batch.get("target_features")
     if features is None:
-        features = layer_features(model, batch["input_ids"], batch["attention_mask"], layer_ids)
+        features = layer_features(model, batch["input_ids"], batch.get("attention_mask"), layer_ids,
+                                  batch.get("position_ids"))
     return features
 
 

@@ -232,7 +232,7 @@ class TrainerConfig:
     """Micro-batches sized by tokens instead: rows packed into one sequence of at most this many tokens per
     process, without padding (positions restart per row, attention never crosses rows; a longer row is a
     micro-batch alone). Every process runs the same number of micro-batches per epoch (a process whose share
-    packs into more leaves its last ones of that epoch out). Drafters that pack: Medusa (both stages)."""
+    packs into more leaves its last ones of that epoch out). Drafters that pack: Medusa (both stages) and DFlash."""
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 10

@@ -299,3 +299,40 @@ def test_the_drafter_is_built_as_vllm_builds_it_for_any_target(cache_dir):
     table = model.get_input_embeddings().weight
     assert drafter.frozen[0] is table
     torch.testing.assert_close(model.get_input_embeddings()(ids), table[ids] * model.config.hidden_size ** 0.5)
+
+
+@pytest.mark.parametrize("kind", ["sdpa", "flex"])
+def test_packed_rows_train_the_same_blocks_as_padded_rows(tiny, drafter, kind):
+    """Rows packed back to back (positions restarting per row, no mask): each block sees only its own row's
+    context, at its row's positions, and gets the same hidden states and labels as in the padded batch; anchors
+    never cross into the next row and are capped per row."""
+    model, _ = tiny
+    ids, attention, loss_mask, _ = _batch(model)
+    n = [28, 23]
+    packed_ids = torch.cat([ids[0], ids[1, :n[1]]])[None]
+    position_ids = torch.cat([torch.arange(k) for k in n])[None]
+    documents = torch.cat([torch.full((k,), i) for i, k in enumerate(n)])[None]
+    packed_mask = torch.cat([loss_mask[0], loss_mask[1, :n[1]]])[None]
+    features = layer_features(model, ids, attention, LAYERS)
+    packed_features = layer_features(model, packed_ids, None, LAYERS, position_ids)
+    torch.testing.assert_close(packed_features[0], torch.cat([features[0], features[1, :n[1]]]), atol=1e-5, rtol=1e-4)
+    anchors = torch.tensor([[11, 19, 23], [-1, 8, 14]])
+    packed_anchors = torch.tensor([[11, 19, 23, n[0] + 8, n[0] + 14]])
+    use = copy.deepcopy(drafter)
+    use.attention = kind
+    with torch.no_grad():
+        padded = use(features, ids, attention, anchors)
+        packed = use(packed_features, packed_ids, None, packed_anchors, position_ids, documents)
+    torch.testing.assert_close(packed[0, :3], padded[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(packed[0, 3:], padded[1, 1:], atol=1e-5, rtol=1e-4)
+    labels, valid = block_labels(ids, loss_mask, anchors, 6)
+    packed_labels, packed_valid = block_labels(packed_ids, packed_mask, packed_anchors, 6, documents)
+    assert torch.equal(packed_valid[0], torch.cat([valid[0], valid[1, 1:]]))
+    assert torch.equal(packed_labels[0][packed_valid[0]], torch.cat([labels[0], labels[1, 1:]])[packed_valid[0]])
+    assert not packed_valid[0, 2, 4:].any()  # anchor 23 + 5 is row 1's first token: no label across rows
+    sampled = sample_anchors(packed_mask, 4, torch.Generator().manual_seed(0), documents)[0]
+    rows = documents[0, sampled.clamp(min=0)]
+    assert (sampled >= 0).all() and [int((rows == r).sum()) for r in (0, 1)] == [4, 4]
+    assert all(documents[0, a + 1] == documents[0, a] and packed_mask[0, a + 1] for a in sampled.tolist())
+    every = sample_anchors(packed_mask, 512, documents=documents)
+    assert int((every >= 0).sum()) == 19 + 14  # each row's own candidates, none at a row's last token

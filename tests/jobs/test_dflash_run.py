@@ -75,6 +75,25 @@ def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cac
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.parametrize("features", ["precomputed", "online"])
+def test_packed_dflash_runs_train_and_resume_to_the_same_drafter(features, dflash_run, tmp_path, cache_dir):
+    """``trainer.tokens_per_batch``: rows packed without padding, features cached or from a packed target
+    forward; the loss falls, held-out accuracy is about the padded run's, decoding stays lossless, and a run cut
+    at a checkpoint and resumed ends with the same drafter."""
+    own = ("train.epochs=6", "dflash.block_size=8", "eval.peer_runs=[]", "trainer.tokens_per_batch=640",
+           f"dflash.features={features}", "trainer.keep_last=100")
+    out = tmp_path / "packed"
+    report = run_dflash(cfg("dflash", out, cache_dir, *own))
+    curve = [h["dflash/loss"] for h in report["train_curves"]["dflash"]]
+    assert sum(curve[-3:]) < 0.9 * sum(curve[:3]) and report["data"]["padding_fraction"] == 0.0
+    assert report["validation"]["val/acc_pos1"] > dflash_run[1]["validation"]["val/acc_pos1"] - 0.05
+    assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
+    cut = cut_back(out, "dflash-step000005", tmp_path / "cut")
+    run_dflash(cfg("dflash", cut, cache_dir, *own, "resume=true", "eval.enabled=false"))
+    a, b = (load_file(str(d / "export" / "dflash" / "model.safetensors")) for d in (out, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny, cache_dir):
     """Any finished run is measured beside another for the same target; a missing run or one made for another
     target (other sizes, or the same sizes with other weights) is skipped and says why, never a failure."""

@@ -23,12 +23,18 @@ class _DFlashModule(nn.Module):
         self.max_anchors, self.decay = max_anchors, decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """Padded or packed batches (``documents``: each token's row)."""
+        documents = batch.get("documents")
         features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
-        anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
-        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
-        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)
+        # global RNG: checkpointed, resumes exactly
+        anchors = sample_anchors(batch["loss_mask"], self.max_anchors, documents=documents)
+        hidden = self.drafter(features, batch["input_ids"], batch.get("attention_mask"), anchors,
+                              batch.get("position_ids"), documents)
+        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size,
+                                     documents)
         loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.decay)
-        metrics["blocks_per_row"] = (anchors >= 0).float().sum(1).mean()
+        rows = anchors.shape[0] if documents is None else (documents[:, -1] + 1).sum()
+        metrics["blocks_per_row"] = (anchors >= 0).float().sum() / rows
         return loss, metrics
 
 
@@ -40,7 +46,7 @@ class DFlashTraining(ModuleStrategy):
     def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float,
                  online: bool):
         self.module = _DFlashModule(drafter, target, max_anchors, decay)
-        self.required_fields = ("input_ids", "attention_mask", "loss_mask") + (() if online else ("target_features",))
+        self.required_fields = ("input_ids", "loss_mask") + (() if online else ("target_features",))
 
     def param_groups(self, lr: float) -> list[dict]:
         return [{"params": list(self.module.drafter.parameters()), "lr": lr}]
