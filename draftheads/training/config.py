@@ -229,10 +229,11 @@ class TrainerConfig:
     batch_size: int = 8
     """Rows per process per micro-batch, right-padded to the longest (unless ``tokens_per_batch`` is set)."""
     tokens_per_batch: int | None = None
-    """Micro-batches sized by tokens instead: rows packed into one sequence of at most this many tokens per
-    process, without padding (positions restart per row, attention never crosses rows; a longer row is a
-    micro-batch alone). Every process runs the same number of micro-batches per epoch (a process whose share
-    packs into more leaves its last ones of that epoch out). Drafters that pack: Medusa (both stages) and DFlash."""
+    """Micro-batches sized by tokens instead, for every drafter and stage: rows packed into one sequence of at
+    most this many tokens per process, without padding (positions restart per row; attention, labels and
+    DFlash's blocks never cross rows; a longer row is a micro-batch alone). Every process runs the same number
+    of micro-batches per epoch: a share that packs into fewer splits some in two
+    (:class:`~draftheads.data.batching.BatchPlan`)."""
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 10

@@ -70,9 +70,6 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
     if conf.model.partial and recipe is not None:
         check_partial(conf, recipe)
-    if conf.trainer.tokens_per_batch is not None and recipe is not None and not recipe.packs:
-        raise ValueError(f"trainer.tokens_per_batch={conf.trainer.tokens_per_batch}: {recipe.name} does not train on "
-                         f"packed batches yet; leave it unset (micro-batches of trainer.batch_size rows)")
     out = Path(conf.output_dir)
     claim = recipe is not None and not conf.resume
     if claim:  # refused before the tracker starts a run there

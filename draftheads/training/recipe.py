@@ -46,8 +46,6 @@ class Recipe(Protocol):
     """Checkpoint stage names, in training order (resume refuses a checkpoint of any other)."""
     vllm_weights: str
     """The export folder (relative to the run) that vLLM loads, read back for parity."""
-    packs: bool
-    """Whether its stages train on packed batches (``trainer.tokens_per_batch``: :func:`~draftheads.data.batching.pack`)."""
 
     def check(self, conf, target) -> None:
         """Refuse settings that would fail later, before the data is built (``ValueError``)."""

@@ -259,3 +259,31 @@ def test_export_loader_refuses_bad_files_and_other_targets(tiny, drafter, tmp_pa
     (path / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "draft_vocab_size"}))
     with pytest.raises(ValueError, match="missing field 'draft_vocab_size'"):
         load_eagle3(path, model)
+
+
+def test_packed_sequences_train_what_padded_ones_train(tiny, drafter):
+    """Sequences packed back to back (positions restarting, no mask): every step's hidden state whose inputs lie
+    in its own sequence, the loss and the metrics equal the padded batch's; no row attends to or is scored
+    against another sequence."""
+    model, _ = tiny
+    ids, attention, features = _batch(model)
+    n = [24, 19]
+    loss_mask = attention.bool().clone()
+    loss_mask[:, :6] = False
+    packed_ids = torch.cat([ids[0], ids[1, :n[1]]])[None]
+    position_ids = torch.cat([torch.arange(k) for k in n])[None]
+    documents = torch.cat([torch.full((k,), i) for i, k in enumerate(n)])[None]
+    packed_features = layer_features(model, packed_ids, None, LAYERS, position_ids)
+    packed_mask = torch.cat([loss_mask[0], loss_mask[1, :n[1]]])[None]
+    with torch.no_grad():
+        padded = drafter(features, ids, attention, 3)
+        packed = drafter(packed_features, packed_ids, None, 3, position_ids, documents)
+        for row, offset in ((0, 0), (1, n[0])):
+            for j in range(3):
+                inside = n[row] - 1 - j  # rows s whose token s+1+j is in the sequence
+                torch.testing.assert_close(packed[0, offset:offset + inside, j], padded[row, :inside, j],
+                                           atol=1e-5, rtol=1e-4)
+        a, am = eagle3_loss(drafter, padded, ids, loss_mask, 0.8)
+        b, bm = eagle3_loss(drafter, packed, packed_ids, packed_mask, 0.8, documents)
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(am, bm, atol=1e-5, rtol=1e-4)

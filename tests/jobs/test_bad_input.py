@@ -6,7 +6,7 @@ import json
 import pytest
 
 from draftheads.jobs.cli import parse_args
-from tests.helpers import run_dflash, run_eagle3, run_medusa, smoke
+from tests.helpers import run_dflash, run_medusa, smoke
 
 
 def tokenized(path, rows: list[tuple[int, int]]):
@@ -47,9 +47,3 @@ def test_help_prints_the_usage_instead_of_reading_a_run_named_help(capsys):
         with pytest.raises(SystemExit) as exit_:
             parse_args([flag], ("weights",), "usage text")
         assert exit_.value.code == 0 and "usage text" in capsys.readouterr().out
-
-
-def test_packed_batches_for_a_drafter_that_does_not_pack_are_refused_before_any_work(tmp_path, cache_dir):
-    with pytest.raises(ValueError, match="eagle3 does not train on packed batches yet"):
-        run_eagle3(smoke("eagle3", tmp_path / "run", cache_dir, "trainer.tokens_per_batch=512"))
-    assert not (tmp_path / "run").exists()

@@ -30,7 +30,6 @@ class DFlash:
     schema = DFlashRunConfig
     stages = ("dflash",)
     vllm_weights = EXPORT
-    packs = True
 
     def check(self, conf: DFlashRunConfig, target) -> None:
         """Layer ids inside the target, a block of at least two positions and its loss decay (without building

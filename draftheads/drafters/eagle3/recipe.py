@@ -28,7 +28,6 @@ class Eagle3:
     schema = Eagle3RunConfig
     stages = ("eagle3",)
     vllm_weights = EXPORT
-    packs = False
 
     def check(self, conf: Eagle3RunConfig, target) -> None:
         """Layer ids inside the target, at least one unrolled step and draft, a draft vocabulary the target

@@ -22,9 +22,12 @@ class _Eagle3Module(nn.Module):
         self.steps, self.decay = steps, decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
+        """Padded or packed batches (``documents``: each token's row)."""
         features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
-        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], self.steps)
-        return eagle3_loss(self.drafter, hidden, batch["input_ids"], batch["loss_mask"], self.decay)
+        hidden = self.drafter(features, batch["input_ids"], batch.get("attention_mask"), self.steps,
+                              batch.get("position_ids"), batch.get("documents"))
+        return eagle3_loss(self.drafter, hidden, batch["input_ids"], batch["loss_mask"], self.decay,
+                           batch.get("documents"))
 
 
 class Eagle3Training(ModuleStrategy):
@@ -34,7 +37,7 @@ class Eagle3Training(ModuleStrategy):
 
     def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel, steps: int, decay: float, online: bool):
         self.module = _Eagle3Module(drafter, target, steps, decay)
-        self.required_fields = ("input_ids", "attention_mask", "loss_mask") + (() if online else ("target_features",))
+        self.required_fields = ("input_ids", "loss_mask") + (() if online else ("target_features",))
 
     def param_groups(self, lr: float) -> list[dict]:
         return [{"params": list(self.module.drafter.parameters()), "lr": lr}]

@@ -29,7 +29,6 @@ class Medusa:
     schema = MedusaRunConfig
     stages = ("stage1", "stage2")
     vllm_weights = "export/vllm"
-    packs = True
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """Stage 2's unfrozen layers exist."""
