@@ -65,6 +65,17 @@ def test_sharded_medusa_run_trains_what_ddp_trains(engine, kind, ddp_medusa, tmp
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
 
 
+def test_packed_batches_under_fsdp2_train_what_ddp_trains(tmp_path, cache_dir):
+    """``trainer.tokens_per_batch`` under FSDP2: each rank packs its own share as under DDP, and both stages give
+    the same curves and heads."""
+    packed = [*MEDUSA, "trainer.tokens_per_batch=640"]
+    ddp = launch("medusa", tmp_path / "ddp", cache_dir, *packed)
+    fsdp = launch("medusa", tmp_path / "fsdp", cache_dir, *packed, engine="fsdp")
+    for stage in ("stage1", "stage2"):
+        assert_same_curve(fsdp["train_curves"][stage], ddp["train_curves"][stage], f"{stage}/loss")
+    assert_same_weights(weights(tmp_path / "fsdp" / "medusa_heads"), weights(tmp_path / "ddp" / "medusa_heads"))
+
+
 @pytest.mark.parametrize("engine", ["fsdp", "zero3"])
 def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_dir):
     """A run cut after stage 1's step 10 (later checkpoints and results removed) resumes from the engine's
