@@ -248,7 +248,8 @@ class BatchPlan:
     def total(self, epochs: float) -> int:
         """Micro-batches in ``epochs`` (a fraction of the last epoch counts its share), at least 1."""
         whole = int(epochs)
-        return max(1, sum(self.count(e) for e in range(whole)) + int((epochs - whole) * self.count(whole)))
+        part = round((epochs - whole) * self.count(whole), 6)  # 2.3 - 2 is 0.2999..: 3 of 10, not 2
+        return max(1, sum(self.count(e) for e in range(whole)) + int(part))
 
     def locate(self, micro: int) -> tuple[int, int]:
         """``(epoch, index)`` of micro-batch number ``micro`` (0-based, counted from the stage's start)."""

@@ -406,6 +406,8 @@ def test_a_packed_plan_gives_every_process_the_same_number_of_batches_each_epoch
         assert seen == [r["row"] for p in plans for r in p.shards[p.rank]]  # every row of every share, once
     plan = plans[0]
     assert plan.total(2.5) == plan.count(0) + plan.count(1) + plan.count(2) // 2
+    padded = BatchPlan(rows, 0, 1, 20, None, seed=0)  # 10 batches an epoch
+    assert [padded.total(e) for e in (0.01, 0.4, 2.3)] == [1, 4, 23]
     assert plan.locate(plan.count(0)) == (1, 0) and plan.locate(plan.count(0) - 1) == (0, plan.count(0) - 1)
     padded = BatchPlan(rows, 0, world_size, 8, None, seed=0)
     assert padded.epoch(0) == epoch_batches(rank_shard(rows, 0, world_size), 8, 0, 0)
