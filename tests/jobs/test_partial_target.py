@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from draftheads.data.state_cache import weights_fingerprint
 from draftheads.jobs.cache import cache_states
-from draftheads.models.partial import is_partial, part_names
-from draftheads.models.target import TargetSpec, load_target, weights_sample
+from draftheads.models.partial import hold_layers, is_partial, load_partial_model, part_names, save_partial
+from draftheads.models.target import TargetSpec, decoder_layers, load_target, weights_sample
 from tests.helpers import SMOKE_STAGES, launch, run_dflash, run_eagle3, run_medusa, smoke
 
 
@@ -115,3 +115,23 @@ def test_a_partial_target_trains_under_fsdp2_on_two_processes(tmp_path, cache_di
     whole = launch("medusa", tmp_path / "whole", cache_dir, *own, engine="fsdp")
     losses = [[p["stage1/loss"] for p in r["train_curves"]["stage1"]] for r in (part, whole)]
     assert losses[0] and losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_a_sharded_checkpoint_is_rewritten_whole_with_the_trained_layers(tmp_path, cache_dir):
+    """What stage 2 does on a partial target of a sharded checkpoint (a 70B one): the last layer is read, changed,
+    and the whole checkpoint written back file by file; transformers loads it as the target with that layer."""
+    whole, _, _ = load_target(TargetSpec(name_or_path="tiny://llama3"), cache_dir)
+    whole.save_pretrained(tmp_path / "sharded", max_shard_size="200KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    part = load_partial_model(tmp_path / "sharded", torch.float32)
+    last = len(decoder_layers(part)) - 1
+    hold_layers(part, [last])
+    with torch.no_grad():
+        for p in decoder_layers(part)[last].parameters():
+            p.add_(1.0)
+    save_partial(part, tmp_path / "trained")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+    original = dict(whole.named_parameters())
+    for name, p in trained.named_parameters():
+        changed = f"layers.{last}." in name
+        assert torch.equal(p, original[name] + 1.0 if changed else original[name]), name
