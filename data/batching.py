@@ -179,6 +179,26 @@ def pack(rows: list[dict], pad_token_id: int | None = None) -> dict[str, torch.T
     return batch
 
 
+def unpack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The padded batch of a packed batch's rows (:func:`pack` -> :func:`collate`'s layout): one row per line, in
+    order, right-padded with zeros, with ``attention_mask``; every ``[1, N, ...]`` tensor of the batch carried
+    (cached states, or features computed on the packed sequence), ``documents`` and ``position_ids`` dropped. For
+    drafters whose own attention is per row (DFlash's blocks, EAGLE-3's unrolled steps): on a packed sequence
+    their dense masks would score every row against every other."""
+    documents = batch["documents"][0]
+    lengths = torch.bincount(documents)
+    column = torch.arange(len(documents), device=documents.device) - (lengths.cumsum(0) - lengths)[documents]
+    lines = (len(lengths), int(lengths.max()))
+    out = {}
+    for key, x in batch.items():
+        if key not in ("documents", "position_ids"):
+            out[key] = x.new_zeros(*lines, *x.shape[2:])
+            out[key][documents, column] = x[0]
+    out["attention_mask"] = torch.zeros(lines, dtype=torch.long, device=documents.device)
+    out["attention_mask"][documents, column] = 1
+    return out
+
+
 def token_batches(rows: list[dict], tokens_per_batch: int, seed: int, epoch: int) -> list[list[dict]]:
     """Batches of at most ``tokens_per_batch`` tokens (a longer row alone), in an order fixed by ``(seed,
     epoch)``: rows are shuffled, taken in windows of about 8 batches' tokens, packed first-fit by decreasing

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from draftheads.data.batching import collate
+from draftheads.models.packed_attention import rows_attend_alone
 from draftheads.models.target import record_layer_outputs
 
 
@@ -30,7 +31,7 @@ def layer_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     """``[B, T, K*D]`` outputs of decoder layers ``layer_ids`` (in that order) for ``[B, T]`` ids, padded
     (``attention_mask``) or packed (``position_ids`` restarting per row, no mask). Raises ``ValueError`` for a
     layer id outside the model."""
-    with record_layer_outputs(model, layer_ids) as outputs:
+    with record_layer_outputs(model, layer_ids) as outputs, rows_attend_alone(model):
         model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False)  # with a cache transformers ignores packing
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)

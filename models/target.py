@@ -31,6 +31,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Gener
 
 from draftheads.choice import Choice
 from draftheads.models.decoding import GenerationDefaults
+from draftheads.models.packed_attention import rows_attend_alone
 from draftheads.models.partial import load_partial_model, named_weights
 from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_template_text
 
@@ -316,8 +317,8 @@ def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attentio
     them. ``start`` 0 (``states`` None) is the whole forward. The model's own forward runs everything else
     (its attention masks, sliding windows, RoPE per layer type, final norm), with autograd as the caller has
     it; a packed batch gives ``position_ids`` restarting per row and no ``attention_mask``
-    (:func:`~draftheads.data.batching.pack`). Raises ``ValueError`` for ``start`` outside ``0..L-1``, or
-    states given for ``start`` 0."""
+    (:func:`~draftheads.data.batching.pack`), and its rows attend alone (:func:`rows_attend_alone`). Raises
+    ``ValueError`` for ``start`` outside ``0..L-1``, or states given for ``start`` 0."""
     layers = decoder_layers(model)
     if not 0 <= start < len(layers) or (start == 0) != (states is None):
         raise ValueError(f"start={start} with states {'given' if states is not None else 'None'}: decoder layer "
@@ -327,8 +328,9 @@ def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attentio
     try:
         for i in range(start):
             layers[i] = stand_in
-        return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False).last_hidden_state  # with a cache transformers ignores packing
+        with rows_attend_alone(model):
+            return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state  # with a cache transformers ignores packing
     finally:
         for i, layer in enumerate(skipped):
             layers[i] = layer

@@ -1,6 +1,6 @@
 """Pieces several test modules share (no test module imports another): the repository's config folder and the
-smoke job's settings, the training jobs as functions, a stub drafter base, and a real 2-process launch under any
-engine."""
+smoke job's settings, the training jobs as functions, a stub drafter base, a real 2-process launch under any
+engine, and a packed step checked against the padded one."""
 
 import json
 import os
@@ -10,8 +10,10 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 
+from draftheads.data.batching import collate, pack
 from draftheads.drafters import register_configs
 from draftheads.jobs.train import train
 
@@ -79,3 +81,24 @@ def cut_back(run_dir: Path, checkpoint: str, dest: Path) -> Path:
     writing it), to resume from."""
     shutil.copytree(run_dir / "checkpoints" / checkpoint, dest / "checkpoints" / checkpoint)
     return dest
+
+
+def assert_packed_trains_as_padded(strategy, rows: list[dict]) -> None:
+    """One step of a training ``strategy`` on ``rows`` packed (:func:`pack`) gives the loss, metrics and gradients
+    of the same rows padded (:func:`collate`), the global RNG seeded alike for both (DFlash draws its anchors
+    from it); gradients are left cleared."""
+    results = []
+    for batch in (collate(rows, 0), pack(rows)):
+        torch.manual_seed(0)
+        strategy.module.zero_grad(set_to_none=True)
+        loss, metrics = strategy.forward_loss(strategy.module, batch)
+        loss.backward()
+        results.append((loss.detach(), {k: v.float() for k, v in metrics.items()},
+                        [p.grad.clone() for p in strategy.module.parameters() if p.requires_grad]))
+    strategy.module.zero_grad(set_to_none=True)
+    (padded, padded_metrics, padded_grads), (packed, packed_metrics, packed_grads) = results
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(packed_metrics, padded_metrics, atol=1e-5, rtol=1e-4)
+    assert len(packed_grads) == len(padded_grads) > 0
+    for a, b in zip(packed_grads, padded_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from draftheads import drafters
 from draftheads.data.conversations import Chat
@@ -87,10 +88,11 @@ def likely(model, tokenizer, token_id: int, prompts: list[list[int]], share: flo
     return model
 
 
-def test_the_last_layers_run_on_a_cached_layer_state_give_the_whole_forward(family):
+def test_the_last_layers_run_on_a_cached_layer_state_give_the_whole_forward(family, monkeypatch):
     """Medusa stage 2 runs only the layers it trains, from the cached output of the layer before: for every
     family (sliding windows past the window, RoPE per layer type, Gemma's scaled embedding), padded or packed,
-    the last hidden states equal the whole forward's, and gradients reach only the layers run."""
+    the last hidden states equal the whole forward's, and gradients reach only the layers run. Packed, ``sdpa``
+    runs once per row (:func:`rows_attend_alone`), never over the whole packed sequence."""
     _, model, _ = family
     L, T = len(decoder_layers(model)), 40  # past the tiny sliding window (16)
     ids = torch.randint(3, model.config.vocab_size, (2, T))
@@ -103,10 +105,18 @@ def test_the_last_layers_run_on_a_cached_layer_state_give_the_whole_forward(fami
         keep = mask.bool()
         assert torch.allclose(got[keep], whole[keep], atol=1e-5), start
     n = [T, 25]  # packed back to back, positions restarting: each row as if alone
+    sdpa, lengths = ALL_ATTENTION_FUNCTIONS["sdpa"], []
+
+    def recorded_sdpa(module, query, *args, **kwargs):
+        lengths.append(query.shape[2])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._local_mapping, "sdpa", recorded_sdpa)
     packed = hidden_states_from(model, torch.cat([ids[0], ids[1, :n[1]]])[None], None, 1,
                                 torch.cat([outputs[0][0], outputs[0][1, :n[1]]])[None],
                                 torch.cat([torch.arange(k) for k in n])[None])
     assert torch.allclose(packed[0], whole[mask.bool()], atol=1e-5)
+    assert model.config._attn_implementation == "sdpa" and lengths == n * (L - 1)
     model.zero_grad(set_to_none=True)
     model.requires_grad_(True)
     hidden_states_from(model, ids, mask, L - 1, outputs[L - 2]).sum().backward()

@@ -230,9 +230,12 @@ class TrainerConfig:
     """Rows per process per micro-batch, right-padded to the longest (unless ``tokens_per_batch`` is set)."""
     tokens_per_batch: int | None = None
     """Micro-batches sized by tokens instead, for every drafter and stage: rows packed into one sequence of at
-    most this many tokens per process, without padding (positions restart per row; attention, labels and
-    DFlash's blocks never cross rows; a longer row is a micro-batch alone). Every process runs the same number
-    of micro-batches per epoch: a share that packs into fewer splits some in two
+    most this many tokens per process, without padding (positions restart per row; a longer row is a micro-batch
+    alone). Attention and labels never cross rows, and no row's scores are computed against another's: the
+    target attends row by row (flash-attention's varlen kernel, or ``sdpa`` once per row:
+    :func:`~draftheads.models.packed_attention.rows_attend_alone`), and DFlash's and EAGLE-3's drafters read the
+    rows one per line (:func:`~draftheads.data.batching.unpack`). Every process runs the same number of
+    micro-batches per epoch: a share that packs into fewer splits some in two
     (:class:`~draftheads.data.batching.BatchPlan`)."""
     grad_accum: int = 1
     seed: int = 0

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 import draftheads.data.regenerate as regen_mod
 from draftheads.data.batching import (BatchPlan, DataReport, collate, epoch_batches, pack, rank_shard, rows_from_chats,
-                                      token_batches)
+                                      token_batches, unpack)
 from draftheads.data.conversations import Chat, first_user_prompts, load_chats
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
@@ -392,6 +392,21 @@ def test_a_packed_batch_holds_the_rows_back_to_back_with_positions_restarting():
     assert torch.equal(batch["hidden_states"][0], torch.cat([r["hidden_states"] for r in rows]))
     assert batch["position_ids"][0].tolist() == [t for k in n for t in range(k)]
     assert batch["documents"][0].tolist() == [i for i, k in enumerate(n) for _ in range(k)]
+
+
+def test_unpacking_a_packed_batch_gives_the_padded_batch_of_its_rows():
+    """What a drafter attending per row reads: the rows one per line, as :func:`collate` pads them (pad id 0 here),
+    features computed on the packed sequence carried to their rows."""
+    rows = _rows_of_lengths(4, seed=2)
+    packed = pack(rows)
+    features = torch.randn(*packed["input_ids"].shape, 3)
+    lines = unpack({**packed, "target_features": features})
+    padded = collate(rows, 0)
+    assert lines.keys() == padded.keys() | {"target_features"}
+    for key in padded:
+        assert torch.equal(lines[key], padded[key]), key
+    keep = padded["attention_mask"].bool()
+    assert torch.equal(lines["target_features"][keep], features[0]) and not lines["target_features"][~keep].any()
 
 
 @pytest.mark.parametrize("world_size", [1, 3])

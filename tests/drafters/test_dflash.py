@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
-from draftheads.data.hidden_states import layer_features
+from draftheads.data.hidden_states import attach_hidden_states, layer_features
 from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, default_decay,
                            default_target_layer_ids, dflash_loss, sample_anchors)
 from draftheads.drafters.dflash.export import expected_shapes, export_dflash, load_dflash
+from draftheads.drafters.dflash.training import DFlashTraining
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import record_layer_outputs
+from tests.helpers import assert_packed_trains_as_padded
 
 LAYERS = [0, 2, 3]
 
@@ -301,38 +303,15 @@ def test_the_drafter_is_built_as_vllm_builds_it_for_any_target(cache_dir):
     torch.testing.assert_close(model.get_input_embeddings()(ids), table[ids] * model.config.hidden_size ** 0.5)
 
 
-@pytest.mark.parametrize("kind", ["sdpa", "flex"])
-def test_packed_rows_train_the_same_blocks_as_padded_rows(tiny, drafter, kind):
-    """Rows packed back to back (positions restarting per row, no mask): each block sees only its own row's
-    context, at its row's positions, and gets the same hidden states and labels as in the padded batch; anchors
-    never cross into the next row and are capped per row."""
+@pytest.mark.parametrize("online", [False, True])
+def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online):
+    """Rows packed back to back: the target's features from the packed sequence (online) equal the padded rows',
+    and the drafter reads the rows one per line, so its anchors, loss, metrics and gradients are the padded
+    batch's."""
     model, _ = tiny
-    ids, attention, loss_mask, _ = _batch(model)
-    n = [28, 23]
-    packed_ids = torch.cat([ids[0], ids[1, :n[1]]])[None]
-    position_ids = torch.cat([torch.arange(k) for k in n])[None]
-    documents = torch.cat([torch.full((k,), i) for i, k in enumerate(n)])[None]
-    packed_mask = torch.cat([loss_mask[0], loss_mask[1, :n[1]]])[None]
-    features = layer_features(model, ids, attention, LAYERS)
-    packed_features = layer_features(model, packed_ids, None, LAYERS, position_ids)
-    torch.testing.assert_close(packed_features[0], torch.cat([features[0], features[1, :n[1]]]), atol=1e-5, rtol=1e-4)
-    anchors = torch.tensor([[11, 19, 23], [-1, 8, 14]])
-    packed_anchors = torch.tensor([[11, 19, 23, n[0] + 8, n[0] + 14]])
-    use = copy.deepcopy(drafter)
-    use.attention = kind
-    with torch.no_grad():
-        padded = use(features, ids, attention, anchors)
-        packed = use(packed_features, packed_ids, None, packed_anchors, position_ids, documents)
-    torch.testing.assert_close(packed[0, :3], padded[0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(packed[0, 3:], padded[1, 1:], atol=1e-5, rtol=1e-4)
-    labels, valid = block_labels(ids, loss_mask, anchors, 6)
-    packed_labels, packed_valid = block_labels(packed_ids, packed_mask, packed_anchors, 6, documents)
-    assert torch.equal(packed_valid[0], torch.cat([valid[0], valid[1, 1:]]))
-    assert torch.equal(packed_labels[0][packed_valid[0]], torch.cat([labels[0], labels[1, 1:]])[packed_valid[0]])
-    assert not packed_valid[0, 2, 4:].any()  # anchor 23 + 5 is row 1's first token: no label across rows
-    sampled = sample_anchors(packed_mask, 4, torch.Generator().manual_seed(0), documents)[0]
-    rows = documents[0, sampled.clamp(min=0)]
-    assert (sampled >= 0).all() and [int((rows == r).sum()) for r in (0, 1)] == [4, 4]
-    assert all(documents[0, a + 1] == documents[0, a] and packed_mask[0, a + 1] for a in sampled.tolist())
-    every = sample_anchors(packed_mask, 512, documents=documents)
-    assert int((every >= 0).sum()) == 19 + 14  # each row's own candidates, none at a row's last token
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(4, model.config.vocab_size, (n,), generator=g),
+             "loss_mask": torch.arange(n) >= 6} for n in (28, 19, 23)]
+    if not online:
+        attach_hidden_states(model, rows, 8, 0, show_progress=False, layer_ids=LAYERS)
+    assert_packed_trains_as_padded(DFlashTraining(drafter, model, 4, 4.0, online), rows)

@@ -8,11 +8,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from draftheads.data.hidden_states import layer_features
+from draftheads.data.hidden_states import attach_hidden_states, layer_features
 from draftheads.drafters.eagle3.export import expected_shapes, export_eagle3, load_eagle3
 from draftheads.drafters.eagle3.model import (Eagle3DraftModel, Eagle3Drafter, default_layer_ids, draft_config,
                                               draft_vocabulary, eagle3_loss, layer_ids_of, ttt_attention)
+from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
+from tests.helpers import assert_packed_trains_as_padded
 
 LAYERS = [0, 2, 3]
 
@@ -261,29 +263,15 @@ def test_export_loader_refuses_bad_files_and_other_targets(tiny, drafter, tmp_pa
         load_eagle3(path, model)
 
 
-def test_packed_sequences_train_what_padded_ones_train(tiny, drafter):
-    """Sequences packed back to back (positions restarting, no mask): every step's hidden state whose inputs lie
-    in its own sequence, the loss and the metrics equal the padded batch's; no row attends to or is scored
-    against another sequence."""
+@pytest.mark.parametrize("online", [False, True])
+def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online):
+    """Sequences packed back to back: the target's features from the packed sequence (online) equal the padded
+    rows', and the drafter reads the rows one per line, so its loss, metrics and gradients are the padded
+    batch's."""
     model, _ = tiny
-    ids, attention, features = _batch(model)
-    n = [24, 19]
-    loss_mask = attention.bool().clone()
-    loss_mask[:, :6] = False
-    packed_ids = torch.cat([ids[0], ids[1, :n[1]]])[None]
-    position_ids = torch.cat([torch.arange(k) for k in n])[None]
-    documents = torch.cat([torch.full((k,), i) for i, k in enumerate(n)])[None]
-    packed_features = layer_features(model, packed_ids, None, LAYERS, position_ids)
-    packed_mask = torch.cat([loss_mask[0], loss_mask[1, :n[1]]])[None]
-    with torch.no_grad():
-        padded = drafter(features, ids, attention, 3)
-        packed = drafter(packed_features, packed_ids, None, 3, position_ids, documents)
-        for row, offset in ((0, 0), (1, n[0])):
-            for j in range(3):
-                inside = n[row] - 1 - j  # rows s whose token s+1+j is in the sequence
-                torch.testing.assert_close(packed[0, offset:offset + inside, j], padded[row, :inside, j],
-                                           atol=1e-5, rtol=1e-4)
-        a, am = eagle3_loss(drafter, padded, ids, loss_mask, 0.8)
-        b, bm = eagle3_loss(drafter, packed, packed_ids, packed_mask, 0.8, documents)
-    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(am, bm, atol=1e-5, rtol=1e-4)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(4, model.config.vocab_size, (n,), generator=g),
+             "loss_mask": torch.arange(n) >= 6} for n in (24, 19, 21)]
+    if not online:
+        attach_hidden_states(model, rows, 8, 0, show_progress=False, layer_ids=LAYERS)
+    assert_packed_trains_as_padded(Eagle3Training(drafter, model, 3, 0.8, online), rows)

@@ -2,10 +2,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftheads.data.batching import collate, pack
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
 from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, split_states, stage2_layers
+from tests.helpers import assert_packed_trains_as_padded
 
 
 def test_fresh_heads_are_identity_and_predict_like_the_lm_head():
@@ -117,16 +117,5 @@ def test_a_packed_batch_gives_the_padded_batchs_loss_and_gradients(stage, tiny):
             p.normal_(0, 0.02)
     strategy = (MedusaStage1(heads, model, decay=0.8) if stage == "stage1" else
                 MedusaStage2(heads, model, 2, decay=0.8, kl_weight=1.0, backbone_lr_scale=0.1))
-    results = []
-    for batch in (collate(rows, 0), pack(rows)):
-        strategy.module.zero_grad(set_to_none=True)
-        loss, metrics = strategy.forward_loss(strategy.module, batch)
-        loss.backward()
-        results.append((loss.detach(), {k: v.float() for k, v in metrics.items()},
-                        [p.grad.clone() for p in strategy.module.parameters() if p.requires_grad]))
+    assert_packed_trains_as_padded(strategy, rows)
     model.requires_grad_(False)
-    (padded, padded_metrics, padded_grads), (packed, packed_metrics, packed_grads) = results
-    torch.testing.assert_close(packed, padded)
-    torch.testing.assert_close(packed_metrics, padded_metrics)
-    for a, b in zip(packed_grads, padded_grads):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -223,20 +223,16 @@ class DFlashDraftModel(nn.Module):
 
     # --- training: every block of a batch in one pass ---------------------------------------------------
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                anchors: torch.Tensor, position_ids: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                anchors: torch.Tensor) -> torch.Tensor:
         """Hidden states of many blocks per sequence in one pass (training).
 
         Args:
-            features: ``[B, T, K*D]`` target layer outputs; input_ids, attention_mask: ``[B, T]`` (padded), or
-                no mask and ``position_ids``, ``documents`` ``[B, T]`` for rows packed back to back
-                (:func:`~draftheads.data.batching.pack`).
+            features: ``[B, T, K*D]`` target layer outputs; input_ids, attention_mask: ``[B, T]``.
             anchors: ``[B, A]`` int64 anchor positions, -1 for padding (from :func:`sample_anchors`).
         Returns:
-            ``[B, A, block_size, D]``. Block b sees the context at positions < its anchor of its own row (not
-            padding) and its own block; never another block. A padding block sees only itself (its loss is
-            masked). Positions (RoPE) are within the row.
+            ``[B, A, block_size, D]``. Block b sees the context at positions < its anchor (not padding) and its
+            own block; never another block. A padding block sees only itself (its loss is masked).
         """
         B, T = input_ids.shape
         A, S = anchors.shape[1], self.block_size
@@ -244,27 +240,22 @@ class DFlashDraftModel(nn.Module):
         block_ids = torch.full((B, A, S), self.mask_token_id, dtype=torch.long, device=input_ids.device)
         block_ids[..., 0] = input_ids.gather(1, start)
         offsets = torch.arange(S, device=input_ids.device)
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
-        positions = (position_ids.gather(1, start)[..., None] + offsets).view(B, A * S)
-        context = self.context_kv(self.fuse(features), position_ids)
-        valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        mask = block_attention_mask(start, valid, S, self.attention, documents)
+        positions = (start[..., None] + offsets).view(B, A * S)
+        context = self.context_kv(self.fuse(features), torch.arange(T, device=input_ids.device).expand(B, T))
+        mask = block_attention_mask(start, attention_mask.bool(), S, self.attention)
         hidden = self.blocks(block_ids.view(B, A * S), positions, context, mask)
         return hidden.view(B, A, S, -1)
 
 
-def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, block_size: int, kind: str = "sdpa",
-                         documents: torch.Tensor | None = None):
+def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, block_size: int, kind: str = "sdpa"):
     """Who sees what when A blocks per sequence train in one pass.
 
     Query j of block b (``Q = A * block_size`` queries) may attend to context position t iff
-    ``t < anchors[b]``, ``context_valid[t]`` and (packed rows) ``documents[t] == documents[anchors[b]]``, and to
-    every token of its own block; never to another block. A padding block (anchor 0) sees only itself.
+    ``t < anchors[b]`` and ``context_valid[t]``, and to every token of its own block; never to another block.
+    A padding block (anchor 0) sees only itself.
 
     Args:
-        anchors: ``[B, A]`` int64 anchor positions (>= 0); context_valid: ``[B, T]`` bool (not padding);
-            documents: ``[B, T]`` each token's row in a packed batch, or None.
+        anchors: ``[B, A]`` int64 anchor positions (>= 0); context_valid: ``[B, T]`` bool (not padding).
         kind: ``sdpa`` -> dense ``[B, 1, Q, T + Q]`` bool; ``flex`` -> a flex_attention ``BlockMask`` (same
             pattern, block-sparse: memory grows with the blocks, not with ``Q * (T + Q)``).
     """
@@ -273,15 +264,10 @@ def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, blo
     device = anchors.device
     anchor_of_query = anchors.repeat_interleave(block_size, dim=1)  # [B, Q]
     block_of = torch.arange(A, device=device).repeat_interleave(block_size)  # [Q]
-    if documents is not None:  # a context position of another row is as good as padding to this block
-        row_of_query = documents.gather(1, anchor_of_query)
     if kind == "flex":
         def mask_mod(b, h, q, kv):
             in_context = kv < T
-            t = kv.clamp(max=T - 1)
-            sees_context = (kv < anchor_of_query[b, q]) & context_valid[b, t]
-            if documents is not None:
-                sees_context = sees_context & (documents[b, t] == row_of_query[b, q])
+            sees_context = (kv < anchor_of_query[b, q]) & context_valid[b, kv.clamp(max=T - 1)]
             same_block = block_of[q] == block_of[(kv - T).clamp(min=0)]
             return (in_context & sees_context) | (~in_context & same_block)
         return create_block_mask(mask_mod, B, None, A * block_size, T + A * block_size, device=device)
@@ -289,52 +275,33 @@ def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, blo
         raise ValueError(f"DFlash attention {kind!r} must be sdpa or flex")
     before_anchor = torch.arange(T, device=device)[None, None, :] < anchor_of_query[..., None]
     sees_context = before_anchor & context_valid[:, None, :]
-    if documents is not None:
-        sees_context &= documents[:, None, :] == row_of_query[..., None]
     sees_block = (block_of[:, None] == block_of[None, :]).expand(B, -1, -1)
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
 
-def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Random anchor positions among response tokens whose next token is a response token of the same row too.
+def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Random anchor positions among response tokens whose next token is a response token too.
 
     Args:
         loss_mask: ``[B, T]`` bool, True on response (trainable) tokens.
-        max_anchors: at most this many per row (without replacement).
-        documents: ``[B, T]`` each token's row in a packed batch (:func:`~draftheads.data.batching.pack`), or
-            None (one row per sequence).
+        max_anchors: at most this many per sequence (without replacement).
     Returns:
         ``[B, A]`` int64 sorted positions, -1 padding; A = the largest count in the batch (>= 1).
     """
     candidates = loss_mask.clone()
     candidates[:, :-1] &= loss_mask[:, 1:]
     candidates[:, -1] = False
-    if documents is not None:
-        candidates[:, :-1] &= documents[:, 1:] == documents[:, :-1]
     scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device).masked_fill(~candidates, -1.0)
-    if documents is None:
-        A = max(1, min(max_anchors, int(candidates.sum(1).max())))
-        top, index = scores.topk(A, dim=1)
-        anchors = torch.where(top >= 0, index, -1)
-        return anchors.sort(dim=1).values  # ascending, padding (-1) first
-    chosen = torch.zeros_like(candidates)
-    for b in range(loss_mask.shape[0]):  # each row's best-scored max_anchors
-        for row in documents[b].unique():
-            mine = scores[b].masked_fill(documents[b] != row, -1.0)
-            top, index = mine.topk(min(max_anchors, mine.numel()))
-            chosen[b, index[top >= 0]] = True
-    A = max(1, int(chosen.sum(1).max()))
-    T = loss_mask.shape[1]
-    position = torch.arange(T, device=loss_mask.device).expand_as(chosen).masked_fill(~chosen, T)
-    anchors = position.sort(dim=1).values[:, :A]
-    return anchors.masked_fill(anchors == T, -1).sort(dim=1).values
+    A = max(1, min(max_anchors, int(candidates.sum(1).max())))
+    top, index = scores.topk(A, dim=1)
+    anchors = torch.where(top >= 0, index, -1)
+    return anchors.sort(dim=1).values  # ascending, padding (-1) first
 
 
 def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
-                 block_size: int, documents: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Targets of block positions k = 1..S-1 (S = block size): ``token[anchor + k]``, valid where that token
-    is a response token (of the anchor's row, in a packed batch: ``documents``).
+    is a response token.
 
     Returns ``(labels, valid)``, both ``[B, A, block_size - 1]`` (int64, bool)."""
     T = input_ids.shape[1]
@@ -344,8 +311,6 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     flat = pos.flatten(1)
     labels = input_ids.gather(1, flat).view(pos.shape)
     valid = inside & loss_mask.gather(1, flat).view(pos.shape)
-    if documents is not None:
-        valid &= documents.gather(1, flat).view(pos.shape) == documents.gather(1, anchors.clamp(min=0))[..., None]
     return labels, valid
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from draftheads.data.batching import unpack
 from draftheads.data.hidden_states import batch_features
 from draftheads.drafters.dflash.model import DFlashDraftModel, block_labels, dflash_loss, sample_anchors
 from draftheads.training.spine import ModuleStrategy
@@ -23,18 +24,17 @@ class _DFlashModule(nn.Module):
         self.max_anchors, self.decay = max_anchors, decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        """Padded or packed batches (``documents``: each token's row)."""
-        documents = batch.get("documents")
+        """Padded or packed batches: a packed batch's target features come from its packed sequence, and the drafter
+        reads its rows one per line (:func:`~draftheads.data.batching.unpack`: its blocks attend within a row)."""
         features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
-        # global RNG: checkpointed, resumes exactly
-        anchors = sample_anchors(batch["loss_mask"], self.max_anchors, documents=documents)
-        hidden = self.drafter(features, batch["input_ids"], batch.get("attention_mask"), anchors,
-                              batch.get("position_ids"), documents)
-        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size,
-                                     documents)
+        if "documents" in batch:
+            batch = unpack({**batch, "target_features": features})
+            features = batch["target_features"]
+        anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
+        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
+        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)
         loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.decay)
-        rows = anchors.shape[0] if documents is None else (documents[:, -1] + 1).sum()
-        metrics["blocks_per_row"] = (anchors >= 0).float().sum() / rows
+        metrics["blocks_per_row"] = (anchors >= 0).float().sum(1).mean()
         return loss, metrics
 
 

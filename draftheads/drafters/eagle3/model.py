@@ -143,24 +143,19 @@ class Eagle3Layer(nn.Module):
 
 
 def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], key_valid: torch.Tensor,
-                  scale: float, documents: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float) -> torch.Tensor:
     """Attention of training-time-test step j = ``len(keys) - 1``.
 
     Args:
         q: ``[B, H, T, hd]`` step j's queries; keys, values: steps 0..j, each ``[B, H_kv, T, hd]``.
         key_valid: ``[B, T]`` bool, step 0's rows that are not padding.
-        documents: ``[B, T]`` each row's sequence in a packed batch (:func:`~draftheads.data.batching.pack`), or
-            None.
-    Returns ``[B, H, T, hd]``: row s attends to step 0's rows t <= s (valid, of its own sequence) and to row s
-    of steps 1..j, one softmax over all of them (the EAGLE-3 reference's ``cache_hidden``: the diagonal of each
-    later step).
+    Returns ``[B, H, T, hd]``: row s attends to step 0's rows t <= s (valid) and to row s of steps 1..j, one
+    softmax over all of them (the EAGLE-3 reference's ``cache_hidden``: the diagonal of each later step).
     """
     groups = q.shape[1] // keys[0].shape[1]
     k0, v0 = (x.repeat_interleave(groups, dim=1) for x in (keys[0], values[0]))
     T = q.shape[2]
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None] & key_valid[:, None, None, :]
-    if documents is not None:
-        allowed = allowed & (documents[:, None, :, None] == documents[:, None, None, :])
     scores = [(q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~allowed, float("-inf"))]
     scores += [(q * k.repeat_interleave(groups, dim=1)).sum(-1, keepdim=True).float().mul(scale) for k in keys[1:]]
     p = torch.cat(scores, dim=-1).softmax(-1).to(q.dtype)
@@ -246,33 +241,27 @@ class Eagle3DraftModel(nn.Module):
 
     # --- training: the unrolled steps over whole sequences ---------------------------------------------
 
-    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                steps: int, position_ids: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                steps: int) -> torch.Tensor:
         """Training-time test over whole sequences.
 
         Args:
-            features: ``[B, T, K*D]`` target layer outputs; input_ids, attention_mask: ``[B, T]`` (padded), or
-                no mask and ``position_ids``, ``documents`` ``[B, T]`` for sequences packed back to back
-                (:func:`~draftheads.data.batching.pack`: a row never attends to another sequence).
+            features: ``[B, T, K*D]`` target layer outputs; input_ids, attention_mask: ``[B, T]``.
             steps: unrolled steps J.
         Returns ``[B, T, J, D]``: step j's hidden state (before ``norm``) at row s, which predicts token s+2+j.
         """
         B, T = input_ids.shape
         hidden = self.fuse(features)
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
         keys, values, out = [], [], []
-        valid = attention_mask.bool() if attention_mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        valid = attention_mask.bool()
         for j in range(steps):
-            # token s+1+j at row s (0 past the end; past the end of its sequence, never a label)
-            ids = F.pad(input_ids[:, 1 + j:], (0, 1 + j))
-            cos, sin = self.rotary_emb(hidden, position_ids + j)
+            ids = F.pad(input_ids[:, 1 + j:], (0, 1 + j))  # token s+1+j at row s (0 past the end, never a label)
+            cos, sin = self.rotary_emb(hidden, positions + j)
             q, k, v = self.midlayer.qkv(self.embed(ids), hidden, cos, sin)
             keys.append(k)
             values.append(v)
-            hidden = self.midlayer.finish(hidden, ttt_attention(q, keys, values, valid, self.midlayer.scaling,
-                                                                documents))
+            hidden = self.midlayer.finish(hidden, ttt_attention(q, keys, values, valid, self.midlayer.scaling))
             out.append(hidden)
         return torch.stack(out, dim=2)
 
@@ -296,13 +285,11 @@ class Eagle3DraftModel(nn.Module):
 
 
 def eagle3_loss(model: Eagle3DraftModel, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                decay: float, documents: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Cross-entropy of every unrolled step against the target's own next tokens (self-distilled rows).
 
     Args:
-        hidden: ``[B, T, J, D]`` from :meth:`Eagle3DraftModel.forward`; input_ids, loss_mask: ``[B, T]``;
-            documents: ``[B, T]`` each token's sequence in a packed batch (a label of another is no label), or
-            None.
+        hidden: ``[B, T, J, D]`` from :meth:`Eagle3DraftModel.forward`; input_ids, loss_mask: ``[B, T]``.
         decay: step j's weight is ``decay ** j``; the loss is the weighted mean over targets the draft
             vocabulary holds (a token outside it cannot be proposed: it counts as a miss in the metrics).
     Returns ``(loss, metrics)``: :func:`~draftheads.training.held_out.chain_estimates` over steps (``acc_pos{k}``
@@ -313,8 +300,6 @@ def eagle3_loss(model: Eagle3DraftModel, hidden: torch.Tensor, input_ids: torch.
     pos = torch.arange(T, device=hidden.device)[:, None] + 2 + torch.arange(J, device=hidden.device)  # [T, J]
     labels = input_ids[:, pos.clamp(max=T - 1)]  # [B, T, J]: token s+2+j
     valid = (pos < T) & loss_mask[:, pos.clamp(max=T - 1)]
-    if documents is not None:
-        valid &= documents[:, pos.clamp(max=T - 1)] == documents[:, :, None]
     index = torch.full((len(model.t2d),), -1, dtype=torch.long, device=hidden.device)
     index[model.draft_ids()] = torch.arange(len(model.d2t), device=hidden.device)
     draft_labels = index[labels]

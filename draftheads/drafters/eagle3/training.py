@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from draftheads.data.batching import unpack
 from draftheads.data.hidden_states import batch_features
 from draftheads.drafters.eagle3.model import Eagle3DraftModel, eagle3_loss
 from draftheads.training.spine import ModuleStrategy
@@ -22,12 +23,14 @@ class _Eagle3Module(nn.Module):
         self.steps, self.decay = steps, decay
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        """Padded or packed batches (``documents``: each token's row)."""
+        """Padded or packed batches: a packed batch's target features come from its packed sequence, and the drafter
+        reads its rows one per line (:func:`~draftheads.data.batching.unpack`: its steps attend within a row)."""
         features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
-        hidden = self.drafter(features, batch["input_ids"], batch.get("attention_mask"), self.steps,
-                              batch.get("position_ids"), batch.get("documents"))
-        return eagle3_loss(self.drafter, hidden, batch["input_ids"], batch["loss_mask"], self.decay,
-                           batch.get("documents"))
+        if "documents" in batch:
+            batch = unpack({**batch, "target_features": features})
+            features = batch["target_features"]
+        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], self.steps)
+        return eagle3_loss(self.drafter, hidden, batch["input_ids"], batch["loss_mask"], self.decay)
 
 
 class Eagle3Training(ModuleStrategy):
