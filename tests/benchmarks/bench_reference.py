@@ -77,8 +77,9 @@ NO_DEPS = ["fschat==0.2.36", "medusa-llm==0.1"]
 """Without their dependencies: unpinned, they would pull today's transformers; fschat's (servers, UI) are never
 imported by the trainer."""
 
-FIXED = ["tracker=none", "eval.enabled=false", "stage2.enabled=false", "export=false"]
-"""Stage 1 only; draftheads' evaluation runs here afterwards, for both trainers alike."""
+FIXED = ["tracker=none", "eval.enabled=false", "stage2.enabled=false", "export=false", "trainer.tokens_per_batch=null"]
+"""Stage 1 only, on batches of ``trainer.batch_size`` rows as the reference's; draftheads' evaluation runs here
+afterwards, for both trainers alike."""
 SAME_HEADS = ["medusa.per_head_lm_head=true", "medusa.decay=1.0"]
 """Draftheads trains the reference's heads by default here (each its own LM head, losses summed undecayed);
 overrides after them choose draftheads' own (``medusa.per_head_lm_head=false medusa.decay=0.8``)."""

@@ -9,8 +9,9 @@
 Jobs (``jobs=`` keeps some, comma-separated): ``cache`` builds the offline hidden-state cache (timed on its own),
 ``stage1`` Medusa stage 1 with target states computed in memory, ``stage1_offline`` the same read from the
 cache, ``stage2`` Medusa stage 2, ``dflash`` DFlash on precomputed features, ``dflash_online`` with the target
-run per batch; ``stage1_packed``, ``stage2_packed`` and ``dflash_packed`` are the same on packed batches of
-``tokens=`` tokens (``trainer.tokens_per_batch``, default 2048). Under ``accelerate launch`` give one training
+run per batch, all on padded batches of ``trainer.batch_size`` rows; ``stage1_packed``, ``stage2_packed``,
+``dflash_packed`` and ``dflash_online_packed`` are the same on packed batches of ``tokens=`` tokens
+(``trainer.tokens_per_batch``, default 1152: about the 8 rows of a padded batch of the embedded jobs). Under ``accelerate launch`` give one training
 job: accelerate ends its process group with a job.
 Overrides go to every job, except ``dflash.*`` ones, which go to the DFlash jobs only.
 
@@ -130,7 +131,7 @@ def run_each(jobs: list[str], argv: list[str]) -> tuple[list[dict], float | None
 def main(argv: list[str]) -> None:
     options = dict(a.split("=", 1) for a in argv if a.startswith(OPTIONS))
     steps = int(options.get("steps", 12))
-    packed = f"trainer.tokens_per_batch={options.get('tokens', 2048)}"
+    padded, packed = "trainer.tokens_per_batch=null", f"trainer.tokens_per_batch={options.get('tokens', 1152)}"
     user = [a for a in argv if not a.startswith((*OPTIONS, "dflash."))]
     dflash_only = [a for a in argv if a.startswith("dflash.")]  # DFlash's own keys reach its jobs only
     out = Path(options.get("out") or tempfile.mkdtemp(prefix="bench-"))
@@ -140,16 +141,18 @@ def main(argv: list[str]) -> None:
     stage2 = [*common, "stage1.max_steps=1", f"stage2.max_steps={steps}", "stage2.epochs=100"]
     cache = [f"data.hidden_states_dir={out / 'hs'}"]
     dflash = [*common, f"train.max_steps={steps}", "train.epochs=100", "eval.peer_runs=[]"]
+    online = "dflash.features=online"
     plans = {
-        "stage1": ("medusa stage 1, states in memory", "medusa", medusa, "stage1"),
+        "stage1": ("medusa stage 1, states in memory", "medusa", [*medusa, padded], "stage1"),
         "stage1_offline": ("medusa stage 1, offline cache", "medusa",
-                           [*medusa, "data.hidden_states=offline", *cache], "stage1"),
-        "stage2": ("medusa stage 2 (last 4 layers)", "medusa", stage2, "stage2"),
+                           [*medusa, padded, "data.hidden_states=offline", *cache], "stage1"),
+        "stage2": ("medusa stage 2 (last 4 layers)", "medusa", [*stage2, padded], "stage2"),
         "stage1_packed": ("medusa stage 1, packed", "medusa", [*medusa, packed], "stage1"),
         "stage2_packed": ("medusa stage 2, packed", "medusa", [*stage2, packed], "stage2"),
-        "dflash": ("dflash, features precomputed", "dflash", dflash, "dflash"),
-        "dflash_online": ("dflash, features online", "dflash", [*dflash, "dflash.features=online"], "dflash"),
+        "dflash": ("dflash, features precomputed", "dflash", [*dflash, padded], "dflash"),
+        "dflash_online": ("dflash, features online", "dflash", [*dflash, padded, online], "dflash"),
         "dflash_packed": ("dflash, packed", "dflash", [*dflash, packed], "dflash"),
+        "dflash_online_packed": ("dflash, features online, packed", "dflash", [*dflash, packed, online], "dflash"),
     }
     wanted = options.get("jobs", "cache," + ",".join(plans)).split(",")
     unknown = set(wanted) - {"cache", *plans}
