@@ -56,7 +56,8 @@ def configure_engine(accelerator: Accelerator, trainer) -> None:
 
     - FSDP2: bf16/fp16 copies of the gathered weights for compute, gradients reduced and outputs returned in
       float32 (accelerate's own policy would reduce gradients and return the loss in bf16).
-    - DeepSpeed: micro-batch per GPU (there is no prepared dataloader to infer it from), gradient accumulation
+    - DeepSpeed: micro-batch per GPU (there is no prepared dataloader to infer it from: ``trainer.batch_size``
+      rows, or one packed sequence with ``trainer.tokens_per_batch``), gradient accumulation
       and clipping (DeepSpeed clips inside its own step); a different value in the DeepSpeed config is replaced,
       with a note. Its bf16 mode trains bf16 weights with float32 master weights, which :func:`full_state_dict`
       returns.
@@ -69,7 +70,7 @@ def configure_engine(accelerator: Accelerator, trainer) -> None:
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     config = accelerator.state.deepspeed_plugin.deepspeed_config
-    wanted = {"train_micro_batch_size_per_gpu": trainer.batch_size,
+    wanted = {"train_micro_batch_size_per_gpu": trainer.batch_size if trainer.tokens_per_batch is None else 1,
               "gradient_accumulation_steps": trainer.grad_accum,
               "gradient_clipping": trainer.max_grad_norm}
     for key, value in wanted.items():

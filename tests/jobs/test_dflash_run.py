@@ -163,8 +163,9 @@ def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
     report = launch("dflash", tmp_path / "ddp", cache_dir, "train.epochs=6", "dflash.block_size=8",
                         "eval.peer_runs=[]")
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
-    steps = report["train_curves"]["dflash"][-1]["step"]
-    assert steps == dflash_run[1]["train_curves"]["dflash"][-1]["step"] // 2
+    steps, single = (r["train_curves"]["dflash"][-1]["step"] for r in (report, dflash_run[1]))
+    assert single // 2 <= steps <= single // 2 + 6  # each rank packs half the rows: half the micro-batches, or
+    # one more per epoch (6) where a share's last batch is partly filled
 
 
 def test_evaluate_a_saved_dflash_run_with_sampling(dflash_run):

@@ -89,7 +89,9 @@ def test_a_packed_eagle3_run_trains_and_resumes_to_the_same_drafter(eagle3_run, 
 def test_two_process_ddp_eagle3_run(tmp_path, cache_dir, eagle3_run):
     report = launch("eagle3", tmp_path / "ddp", cache_dir, *OWN, "eval.peer_runs=[]")
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
-    assert report["train_curves"]["eagle3"][-1]["step"] == eagle3_run[1]["train_curves"]["eagle3"][-1]["step"] // 2
+    steps, single = (r["train_curves"]["eagle3"][-1]["step"] for r in (report, eagle3_run[1]))
+    assert single // 2 <= steps <= single // 2 + 6  # each rank packs half the rows: half the micro-batches, or
+    # one more per epoch (6) where a share's last batch is partly filled
 
 
 def test_evaluate_a_saved_eagle3_run_with_sampling(eagle3_run):
