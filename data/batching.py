@@ -180,11 +180,12 @@ def pack(rows: list[dict], pad_token_id: int | None = None) -> dict[str, torch.T
 
 
 def unpack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The padded batch of a packed batch's rows (:func:`pack` -> :func:`collate`'s layout): one row per line, in
-    order, right-padded with zeros, with ``attention_mask``; every ``[1, N, ...]`` tensor of the batch carried
-    (cached states, or features computed on the packed sequence), ``documents`` and ``position_ids`` dropped. For
-    drafters whose own attention is per row (DFlash's blocks, EAGLE-3's unrolled steps): on a packed sequence
-    their dense masks would score every row against every other."""
+    """The padded batch of a packed batch's rows (:func:`pack` -> :func:`collate`'s layout, pad id 0: padding is
+    masked): one row per line, in order, right-padded with zeros, with ``attention_mask``; every ``[1, N, ...]``
+    tensor of the batch carried (cached states, or features computed on the packed sequence), ``documents`` and
+    ``position_ids`` dropped. For drafters whose own attention is per row (DFlash's blocks, EAGLE-3's unrolled
+    steps): on a packed sequence their dense masks would score every row against every other. Their batches are
+    planned with ``lines`` (:class:`BatchPlan`), so the lines stay within the token budget."""
     documents = batch["documents"][0]
     lengths = torch.bincount(documents)
     column = torch.arange(len(documents), device=documents.device) - (lengths.cumsum(0) - lengths)[documents]
@@ -199,10 +200,13 @@ def unpack(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def token_batches(rows: list[dict], tokens_per_batch: int, seed: int, epoch: int) -> list[list[dict]]:
+def token_batches(rows: list[dict], tokens_per_batch: int, seed: int, epoch: int,
+                  lines: bool = False) -> list[list[dict]]:
     """Batches of at most ``tokens_per_batch`` tokens (a longer row alone), in an order fixed by ``(seed,
     epoch)``: rows are shuffled, taken in windows of about 8 batches' tokens, packed first-fit by decreasing
-    length inside a window (few tokens short of the budget), and the batches shuffled."""
+    length inside a window (few tokens short of the budget), and the batches shuffled. With ``lines`` (for a
+    drafter that reads the rows one per line, :func:`unpack`) a batch's rows times its longest row also stay
+    within the budget, so the padded lines do: rows of like length go together."""
     rng = random.Random(seed * 100_003 + epoch)
     order = list(range(len(rows)))
     rng.shuffle(order)
@@ -212,9 +216,10 @@ def token_batches(rows: list[dict], tokens_per_batch: int, seed: int, epoch: int
         window.append(i)
         held += length[i]
         if held >= 8 * tokens_per_batch or n == len(order) - 1:
-            bins: list[list] = []  # [tokens, row indices]
+            bins: list[list] = []  # [tokens, row indices], the longest row first
             for j in sorted(window, key=lambda j: -length[j]):
-                fit = next((b for b in bins if b[0] + length[j] <= tokens_per_batch), None)
+                fit = next((b for b in bins if b[0] + length[j] <= tokens_per_batch
+                            and not (lines and (len(b[1]) + 1) * length[b[1][0]] > tokens_per_batch)), None)
                 if fit is None:
                     fit = [0, []]
                     bins.append(fit)
@@ -229,7 +234,8 @@ def token_batches(rows: list[dict], tokens_per_batch: int, seed: int, epoch: int
 class BatchPlan:
     """This process's micro-batches, epoch after epoch, fixed by the seed so a resumed run replays them: its
     share of the rows (:func:`rank_shard`) in length-grouped batches of ``batch_size`` rows (padded), or with
-    ``tokens_per_batch`` in packed batches of that many tokens (:func:`token_batches`, :func:`pack`).
+    ``tokens_per_batch`` in packed batches of that many tokens (:func:`token_batches`, :func:`pack`; ``lines``:
+    rows times the longest row within it too, for drafters that :func:`unpack`).
 
     Every process runs the same number of micro-batches per epoch, or collectives would wait forever: packed,
     each process packs every process's share (lengths only), and a share packed into fewer batches than the
@@ -237,16 +243,17 @@ class BatchPlan:
     reach the count (every batch a single row) are the last batches of the others left out that epoch."""
 
     def __init__(self, rows: list[dict], rank: int, world_size: int, batch_size: int, tokens_per_batch: int | None,
-                 seed: int):
+                 seed: int, lines: bool = False):
         self.shards = [rank_shard(rows, r, world_size) for r in range(world_size)]
         self.rank, self.batch_size, self.tokens_per_batch, self.seed = rank, batch_size, tokens_per_batch, seed
+        self.lines = lines
         self.packed = tokens_per_batch is not None
         self._epoch: tuple[int, list[list[dict]]] = (-1, [])
         self._counts: dict[int, int] = {}
 
     def _batches(self, shard: list[dict], epoch: int) -> list[list[dict]]:
         if self.packed:
-            return token_batches(shard, self.tokens_per_batch, self.seed, epoch)
+            return token_batches(shard, self.tokens_per_batch, self.seed, epoch, self.lines)
         return epoch_batches(shard, self.batch_size, self.seed, epoch)
 
     def count(self, epoch: int) -> int:

@@ -31,7 +31,7 @@ def layer_features(model: PreTrainedModel, input_ids: torch.Tensor, attention_ma
     """``[B, T, K*D]`` outputs of decoder layers ``layer_ids`` (in that order) for ``[B, T]`` ids, padded
     (``attention_mask``) or packed (``position_ids`` restarting per row, no mask). Raises ``ValueError`` for a
     layer id outside the model."""
-    with record_layer_outputs(model, layer_ids) as outputs, rows_attend_alone(model):
+    with record_layer_outputs(model, layer_ids) as outputs, rows_attend_alone(model, attention_mask, position_ids):
         model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False)  # with a cache transformers ignores packing
     return torch.cat([outputs[i] for i in layer_ids], dim=-1)

@@ -328,7 +328,7 @@ def hidden_states_from(model: PreTrainedModel, input_ids: torch.Tensor, attentio
     try:
         for i in range(start):
             layers[i] = stand_in
-        with rows_attend_alone(model):
+        with rows_attend_alone(model, attention_mask, position_ids):
             return model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False).last_hidden_state  # with a cache transformers ignores packing
     finally:

@@ -40,6 +40,9 @@ class Strategy(Protocol):
     """The module whose registered parameters train; ``accelerator.prepare`` wraps it."""
     required_fields: tuple[str, ...]
     """Batch keys the strategy reads (checked on the first batch)."""
+    unpacks: bool
+    """Whether it reads a packed batch's rows one per line (:func:`~draftheads.data.batching.unpack`), so its
+    packed batches keep rows times the longest row within the token budget."""
 
     def param_groups(self, lr: float) -> list[dict]:
         """AdamW parameter groups (``params`` and ``lr`` each)."""
@@ -54,7 +57,9 @@ class Strategy(Protocol):
 
 class ModuleStrategy:
     """A strategy whose module computes ``(loss, metrics)`` itself: ``forward_loss`` calls it, ``adopt`` takes
-    the plain copy. Subclasses set ``name``, ``module``, ``required_fields`` and ``param_groups``."""
+    the plain copy. Subclasses set ``name``, ``module``, ``required_fields`` and ``param_groups`` (and ``unpacks``
+    when their module unpacks)."""
+    unpacks = False
 
     def forward_loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return module(batch)
@@ -110,7 +115,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         the final :class:`TrainState`.
     """
     plan = BatchPlan(rows, accelerator.process_index, accelerator.num_processes, trainer.batch_size,
-                     trainer.tokens_per_batch, trainer.seed)
+                     trainer.tokens_per_batch, trainer.seed, strategy.unpacks)
     total_steps = plan.total(stage.epochs) // trainer.grad_accum
     if stage.max_steps is not None:
         total_steps = min(total_steps, stage.max_steps)

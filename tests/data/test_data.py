@@ -383,6 +383,20 @@ def test_token_batches_hold_the_budget_cover_every_row_once_and_are_nearly_full(
     assert sum(sizes) / (128 * len(batches)) > 0.9  # first-fit decreasing leaves little of the budget unused
 
 
+def test_token_batches_for_drafters_reading_lines_keep_the_padded_lines_within_the_budget():
+    """``lines``: a batch's rows times its longest row stay within the budget (a drafter that unpacks pads each
+    row to the longest), every row once; without it, rows of very unlike lengths share batches."""
+    rows = _rows_of_lengths(300, seed=3)
+
+    def lines(batches):
+        return [len(b) * max(len(r["input_ids"]) for r in b) for b in batches]
+
+    batches = token_batches(rows, 128, 0, 0, lines=True)
+    assert sorted(r["row"] for b in batches for r in b) == list(range(300))
+    assert max(lines(batches)) <= 128
+    assert max(lines(token_batches(rows, 128, 0, 0))) > 128
+
+
 def test_a_packed_batch_holds_the_rows_back_to_back_with_positions_restarting():
     rows = _rows_of_lengths(3)
     batch = pack(rows)

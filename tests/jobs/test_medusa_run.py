@@ -144,33 +144,34 @@ def test_two_process_ddp_run(tmp_path, cache_dir):
                                                                        rel=0.08)
 
 
-PACKED = "trainer.tokens_per_batch=640"
-"""About the tokens of a padded batch of 8 rows here (rows of up to 96 tokens, median 78)."""
+ROWS = "trainer.tokens_per_batch=null"
+"""Micro-batches of ``trainer.batch_size`` rows, padded, instead of the default packed ones."""
 
 
-def test_packed_batches_train_both_stages_and_resume_to_the_same_weights(smoke_run, tmp_path, cache_dir):
-    """``trainer.tokens_per_batch``: micro-batches packed without padding; the loss falls and the heads learn as
-    on padded batches; a run cut at a stage-1 checkpoint and resumed ends with the same heads and target."""
-    out = tmp_path / "packed"
-    report = run(smoke_cfg(out, cache_dir, PACKED, "trainer.keep_last=100"))
-    assert report["data"]["padding_fraction"] == 0.0
+def test_padded_batches_of_rows_train_both_stages_and_resume_to_the_same_weights(smoke_run, tmp_path, cache_dir):
+    """``trainer.tokens_per_batch=null``: micro-batches of 8 rows, padded; the loss falls and the heads learn as
+    on the default packed batches (about the same tokens each); a run cut at a stage-1 checkpoint and resumed
+    ends with the same heads and target."""
+    out = tmp_path / "padded"
+    report = run(smoke_cfg(out, cache_dir, ROWS, "trainer.keep_last=100"))
+    assert report["data"]["padding_fraction"] > 0 == smoke_run[1]["data"]["padding_fraction"]
     curve = [h["stage1/loss"] for h in report["train_curves"]["stage1"]]
     assert sum(curve[-3:]) < 0.9 * sum(curve[:3])
-    padded = smoke_run[1]["validation"]["val/head1_top1"]
-    assert report["validation"]["val/head1_top1"] > padded - 0.05
+    packed = smoke_run[1]["validation"]["val/head1_top1"]
+    assert report["validation"]["val/head1_top1"] > packed - 0.05
     assert all(m["greedy_match"] == 1.0 for m in report["eval"].values())
     first = sorted(d.name for d in (out / "checkpoints").iterdir() if d.name.startswith("stage1"))[0]
     cut = cut_back(out, first, tmp_path / "cut")
-    run(smoke_cfg(cut, cache_dir, PACKED, "resume=true", "trainer.keep_last=100"))
+    run(smoke_cfg(cut, cache_dir, ROWS, "resume=true", "trainer.keep_last=100"))
     for rel in ("medusa_heads/medusa_heads.safetensors", "export/target/model.safetensors"):
         a, b = load_file(str(out / rel)), load_file(str(cut / rel))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), rel
 
 
 def test_two_process_ddp_run_on_packed_batches(tmp_path, cache_dir):
-    """Each rank packs its own share; both run the same number of micro-batches (a mismatch would hang the
-    gradient all-reduce until the collective timeout)."""
-    ddp = launch("medusa", tmp_path / "ddp", cache_dir, *SMOKE_STAGES, PACKED, "trainer.collective_timeout_min=2")
+    """Each rank packs its own share (the default); both run the same number of micro-batches (a mismatch would
+    hang the gradient all-reduce until the collective timeout)."""
+    ddp = launch("medusa", tmp_path / "ddp", cache_dir, *SMOKE_STAGES, "trainer.collective_timeout_min=2")
     assert ddp["distributed"]["num_processes"] == 2
     assert all(m["greedy_match"] == 1.0 for m in ddp["eval"].values())
     curve = [h["stage1/loss"] for h in ddp["train_curves"]["stage1"]]

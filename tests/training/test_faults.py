@@ -25,7 +25,7 @@ from tests.helpers import ROOT, SMOKE_STAGES
 
 class ToyStrategy:
     """Regression of a token's id on a linear layer; the loss is NaN on batches holding row ``poison``."""
-    name, required_fields = "toy", ("input_ids",)
+    name, required_fields, unpacks = "toy", ("input_ids",), False
 
     def __init__(self, poison: int | None):
         torch.manual_seed(0)

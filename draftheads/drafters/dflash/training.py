@@ -42,6 +42,7 @@ class DFlashTraining(ModuleStrategy):
     """The DFlash drafter on target features: ``target_features`` from the batch (precomputed) or from a target
     forward per batch (online)."""
     name = "dflash"
+    unpacks = True
 
     def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float,
                  online: bool):

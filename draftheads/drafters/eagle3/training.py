@@ -37,6 +37,7 @@ class Eagle3Training(ModuleStrategy):
     """The EAGLE-3 drafter on target features: ``target_features`` from the batch (precomputed) or from a target
     forward per batch (online)."""
     name = "eagle3"
+    unpacks = True
 
     def __init__(self, drafter: Eagle3DraftModel, target: PreTrainedModel, steps: int, decay: float, online: bool):
         self.module = _Eagle3Module(drafter, target, steps, decay)
