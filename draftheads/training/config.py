@@ -231,12 +231,12 @@ class TrainerConfig:
     tokens_per_batch: int | None = None
     """Micro-batches sized by tokens instead, for every drafter and stage: rows packed into one sequence of at
     most this many tokens per process, without padding (positions restart per row; a longer row is a micro-batch
-    alone). Attention and labels never cross rows, and no row's scores are computed against another's: the
-    target attends row by row (flash-attention's varlen kernel, or ``sdpa`` once per row:
-    :func:`~draftheads.models.packed_attention.rows_attend_alone`), and DFlash's and EAGLE-3's drafters read the
-    rows one per line (:func:`~draftheads.data.batching.unpack`). Every process runs the same number of
-    micro-batches per epoch: a share that packs into fewer splits some in two
-    (:class:`~draftheads.data.batching.BatchPlan`)."""
+    alone). Attention and labels never cross rows, and no row's scores are computed against another's (except
+    with ``eager`` attention, which stays dense): the target attends row by row (flash-attention's varlen kernel,
+    or ``sdpa`` once per row: :func:`~draftheads.models.packed_attention.rows_attend_alone`), and DFlash's and
+    EAGLE-3's drafters read the rows one per line (:func:`~draftheads.data.batching.unpack`), their batches
+    keeping rows times the longest row within the budget. Every process runs the same number of micro-batches
+    per epoch: a share that packs into fewer splits some in two (:class:`~draftheads.data.batching.BatchPlan`)."""
     grad_accum: int = 1
     seed: int = 0
     log_every: int = 10

@@ -11,7 +11,7 @@ Jobs (``jobs=`` keeps some, comma-separated): ``cache`` builds the offline hidde
 cache, ``stage2`` Medusa stage 2, ``dflash`` DFlash on precomputed features, ``dflash_online`` with the target
 run per batch, all on padded batches of ``trainer.batch_size`` rows; ``stage1_packed``, ``stage2_packed``,
 ``dflash_packed`` and ``dflash_online_packed`` are the same on packed batches of ``tokens=`` tokens
-(``trainer.tokens_per_batch``, default 1152: about the 8 rows of a padded batch of the embedded jobs). Under ``accelerate launch`` give one training
+(``trainer.tokens_per_batch``, default 1280, the shipped jobs' own). Under ``accelerate launch`` give one training
 job: accelerate ends its process group with a job.
 Overrides go to every job, except ``dflash.*`` ones, which go to the DFlash jobs only.
 
@@ -131,7 +131,7 @@ def run_each(jobs: list[str], argv: list[str]) -> tuple[list[dict], float | None
 def main(argv: list[str]) -> None:
     options = dict(a.split("=", 1) for a in argv if a.startswith(OPTIONS))
     steps = int(options.get("steps", 12))
-    padded, packed = "trainer.tokens_per_batch=null", f"trainer.tokens_per_batch={options.get('tokens', 1152)}"
+    padded, packed = "trainer.tokens_per_batch=null", f"trainer.tokens_per_batch={options.get('tokens', 1280)}"
     user = [a for a in argv if not a.startswith((*OPTIONS, "dflash."))]
     dflash_only = [a for a in argv if a.startswith("dflash.")]  # DFlash's own keys reach its jobs only
     out = Path(options.get("out") or tempfile.mkdtemp(prefix="bench-"))
