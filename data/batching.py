@@ -39,7 +39,8 @@ class DataReport:
     length_percentiles: dict[str, int] = field(default_factory=dict)
     """Row lengths in tokens after truncation: p50, p90, p99, max."""
     padding_fraction: float | None = None
-    """Share of pad tokens in the length-grouped training batches (set by the job, which knows the batch)."""
+    """Share of pad tokens in the training micro-batches: length-grouped padded ones, or 0 when packed (set by the
+    job, which knows the batches)."""
     examples: dict[str, str] = field(default_factory=dict)
     """The first error message of each skip reason."""
 
