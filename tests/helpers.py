@@ -14,6 +14,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from draftheads.data.batching import collate, pack
+from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters import register_configs
 from draftheads.jobs.train import train
 
@@ -81,6 +82,17 @@ def cut_back(run_dir: Path, checkpoint: str, dest: Path) -> Path:
     writing it), to resume from."""
     shutil.copytree(run_dir / "checkpoints" / checkpoint, dest / "checkpoints" / checkpoint)
     return dest
+
+
+def feature_rows(model, lengths: tuple[int, ...], layer_ids: list[int] | None) -> list[dict]:
+    """Rows of random token ids, trained from position 6, for a drafter reading target layers: with ``layer_ids``
+    their ``target_features`` attached (cached), without them for features computed online."""
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(4, model.config.vocab_size, (n,), generator=g),
+             "loss_mask": torch.arange(n) >= 6} for n in lengths]
+    if layer_ids is not None:
+        attach_hidden_states(model, rows, 8, 0, show_progress=False, layer_ids=layer_ids)
+    return rows
 
 
 def assert_packed_trains_as_padded(strategy, rows: list[dict]) -> None:

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from draftheads.data.hidden_states import attach_hidden_states, layer_features
+from draftheads.data.hidden_states import layer_features
 from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, default_decay,
                            default_target_layer_ids, dflash_loss, sample_anchors)
 from draftheads.drafters.dflash.export import expected_shapes, export_dflash, load_dflash
 from draftheads.drafters.dflash.training import DFlashTraining
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import record_layer_outputs
-from tests.helpers import assert_packed_trains_as_padded
+from tests.helpers import assert_packed_trains_as_padded, feature_rows
 
 LAYERS = [0, 2, 3]
 
@@ -309,9 +309,5 @@ def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online)
     and the drafter reads the rows one per line, so its anchors, loss, metrics and gradients are the padded
     batch's."""
     model, _ = tiny
-    g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(4, model.config.vocab_size, (n,), generator=g),
-             "loss_mask": torch.arange(n) >= 6} for n in (28, 19, 23)]
-    if not online:
-        attach_hidden_states(model, rows, 8, 0, show_progress=False, layer_ids=LAYERS)
+    rows = feature_rows(model, (28, 19, 23), None if online else LAYERS)
     assert_packed_trains_as_padded(DFlashTraining(drafter, model, 4, 4.0, online), rows)

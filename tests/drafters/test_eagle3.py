@@ -8,13 +8,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig
 
-from draftheads.data.hidden_states import attach_hidden_states, layer_features
+from draftheads.data.hidden_states import layer_features
 from draftheads.drafters.eagle3.export import expected_shapes, export_eagle3, load_eagle3
 from draftheads.drafters.eagle3.model import (Eagle3DraftModel, Eagle3Drafter, default_layer_ids, draft_config,
                                               draft_vocabulary, eagle3_loss, layer_ids_of, ttt_attention)
 from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
-from tests.helpers import assert_packed_trains_as_padded
+from tests.helpers import assert_packed_trains_as_padded, feature_rows
 
 LAYERS = [0, 2, 3]
 
@@ -269,9 +269,5 @@ def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online)
     rows', and the drafter reads the rows one per line, so its loss, metrics and gradients are the padded
     batch's."""
     model, _ = tiny
-    g = torch.Generator().manual_seed(0)
-    rows = [{"input_ids": torch.randint(4, model.config.vocab_size, (n,), generator=g),
-             "loss_mask": torch.arange(n) >= 6} for n in (24, 19, 21)]
-    if not online:
-        attach_hidden_states(model, rows, 8, 0, show_progress=False, layer_ids=LAYERS)
+    rows = feature_rows(model, (24, 19, 21), None if online else LAYERS)
     assert_packed_trains_as_padded(Eagle3Training(drafter, model, 3, 0.8, online), rows)
