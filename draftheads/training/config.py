@@ -228,8 +228,10 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     batch_size: int = 8
     """Rows per process per micro-batch, right-padded to the longest (unless ``tokens_per_batch`` is set)."""
-    tokens_per_batch: int | None = None
-    """Micro-batches sized by tokens instead, for every drafter and stage: rows packed into one sequence of at
+    tokens_per_batch: int | None = 1280
+    """Micro-batches sized by tokens (the default; ``null``: ``batch_size`` rows, padded), for every drafter and
+    stage: 1280 give the embedded jobs' 384 rows 48 micro-batches an epoch, as 8 padded rows did (a target's
+    preset may set its own: ``conf/model/gemma3.yaml``). Rows are packed into one sequence of at
     most this many tokens per process, without padding (positions restart per row; a longer row is a micro-batch
     alone). Attention and labels never cross rows, and no row's scores are computed against another's (except
     with ``eager`` attention, which stays dense): the target attends row by row (flash-attention's varlen kernel,
