@@ -48,7 +48,8 @@ def toy_rows(n: int = 16) -> list[dict]:
 
 
 def toy_fit(tmp_path, poison, nonfinite="stop", **trainer):
-    trainer = TrainerConfig(batch_size=4, checkpoint_every=2, log_every=1, nonfinite=nonfinite, **trainer)
+    trainer = TrainerConfig(batch_size=4, tokens_per_batch=None, checkpoint_every=2, log_every=1, nonfinite=nonfinite,
+                            **trainer)
     strategy = ToyStrategy(poison)
     state = fit(Accelerator(cpu=True), strategy, toy_rows(), trainer, StageConfig(epochs=2), str(tmp_path), 0,
                 {"model": {}})
@@ -78,7 +79,7 @@ def test_a_stage_whose_every_batch_is_skipped_is_an_error_not_a_silent_success(t
             loss, metrics = super().forward_loss(module, batch)
             return loss * float("nan"), metrics
 
-    trainer = TrainerConfig(batch_size=4, checkpoint_every=2, log_every=1, nonfinite="skip")
+    trainer = TrainerConfig(batch_size=4, tokens_per_batch=None, checkpoint_every=2, log_every=1, nonfinite="skip")
     with pytest.raises(FloatingPointError, match=r"\[toy\] all 8 micro-batches had a non-finite loss"):
         fit(Accelerator(cpu=True), AlwaysNaN(None), toy_rows(), trainer, StageConfig(epochs=2), str(tmp_path), 0,
             {"model": {}})
