@@ -77,7 +77,8 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
     metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
     if peers:
-        metrics["peers"] = {name: _peer_summary(plain, results) for name, results in others.items()}
+        metrics["peers"] = {name: _peer_summary(plain, results, prompts, tie_tolerance, sampling.greedy)
+                            for name, results in others.items()}
     if not sampling.greedy:  # two samples need not coincide: no match to claim
         for m in [metrics, *metrics.get("peers", {}).values()]:
             m["greedy_match"] = None
@@ -124,17 +125,22 @@ def _decode_ms_per_token(results: list[DecodeResult]) -> float | None:
     return 1000 * sum(r.seconds - r.prefill_seconds for r in results) / max(decoded, 1)
 
 
-def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult]) -> dict:
+def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], prompts: list, tie_tolerance: float,
+                  greedy: bool) -> dict:
     """A peer's acceptance (over its own gamma), tokens/s and speedup over the same baseline, decode time per
-    token, greedy agreement (with the plain decoding of the target that verifies it: ``DecodeResult.reference``),
-    and draft cost when the method reports steps."""
+    token, greedy agreement (with the plain decoding of the target that verifies it: ``DecodeResult.reference``)
+    and, greedy, where it first differs and whether that was a tie (:func:`_mismatch`; a reference's logits are
+    not kept, so a difference from it is never called a tie), and draft cost when the method reports steps."""
+    own = [a if b.reference is None else DecodeResult(tokens=b.reference) for a, b in zip(plain, peer)]
+    mismatches = [_mismatch(p, a, b, tie_tolerance) for p, a, b in zip(prompts, own, peer)
+                  if greedy and a.tokens != b.tokens]
     tps = _tokens_per_second(peer)
     summary = {**acceptance(peer, max(r.gamma for r in peer)),
                "tokens_per_second": tps, "speedup": tps / _tokens_per_second(plain),
                "decode_ms_per_token": _decode_ms_per_token(peer),
                "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
-               "greedy_match": sum((b.reference if b.reference is not None else a.tokens) == b.tokens
-                                   for a, b in zip(plain, peer)) / len(plain)}
+               "greedy_match": sum(a.tokens == b.tokens for a, b in zip(own, peer)) / len(plain),
+               "greedy_ties": sum(m["tie"] for m in mismatches), "mismatches": mismatches}
     if any(r.accepted_per_step for r in peer):
         summary |= _draft_cost(peer)
     return summary

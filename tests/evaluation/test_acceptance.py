@@ -146,11 +146,12 @@ def test_dflash_drafts_from_the_features_of_verified_tokens_only(greedy):
 def test_prompt_lookup_counts_every_forward_as_a_verification_step():
     """transformers' generate verifies drafts in its first forward too (the prompt's n-grams are drafted before
     it): tau = tokens per target forward, the prefill's included; decode time is not separated there."""
+    from draftheads.data.sources import Prompt
     from draftheads.evaluation.evaluator import _peer_summary
     from draftheads.models.speculative import DecodeResult
     plain = DecodeResult(tokens=[1] * 11, target_forwards=11, seconds=1.1, prefill_seconds=0.2)
     lookup = DecodeResult(tokens=[1] * 11, target_forwards=2, seconds=0.4)  # 6 tokens from the prefill, then 5
-    m = _peer_summary([plain], [lookup])
+    m = _peer_summary([plain], [lookup], [Prompt("test", 0, "hi")], 1e-4, True)
     assert m["acceptance_length"] == m["tokens_per_step"] == 5.5
     assert m["decode_ms_per_token"] is None and m["speedup"] == pytest.approx((11 / 0.4) / (11 / 1.1))
 
@@ -192,3 +193,32 @@ def test_a_one_step_logit_gap_is_a_tie_in_bf16_only(dtype, tie):
     plain = DecodeResult(tokens=[5, 6], top2_gaps=[0.125, 3.0], logit_steps=[torch.finfo(dtype).eps * 20, 0.0])
     mismatch = _mismatch(Prompt("test", 0, "hi"), plain, DecodeResult(tokens=[7, 6]), tie_tolerance=1e-4)
     assert mismatch["first_difference"] == 0 and mismatch["tie"] is tie
+
+
+def test_a_peer_that_differs_from_plain_greedy_reports_where_and_whether_at_a_tie(greedy):
+    """Peers report their first differences as the chain does: one that breaks a near-tie of the target's top-2
+    logits differently is a tie (two code paths may), one that changes a decided step is not."""
+    from draftheads.data.sources import Prompt
+    from draftheads.evaluation.evaluator import evaluate_set
+    model, tok, _, _ = greedy
+    prompt = Prompt("test", 0, "Tell me about your weekend")
+    ids = torch.tensor(prompt_ids(tok, prompt.text))
+    plain = plain_decode(model, ids, 8, ())
+    decided = max(range(8), key=lambda i: plain.top2_gaps[i])
+
+    def differs_at(step: int):
+        def decode(prompt_ids, generator):
+            result = plain_decode(model, prompt_ids, 8, ())
+            result.tokens[step] = (result.tokens[step] + 1) % len(tok)
+            return result
+        return decode
+
+    m = evaluate_set(model, tok, _known(plain.tokens, len(tok), 2), [prompt], 8, 1e-4,
+                     peers={"tie": differs_at(0), "broken": differs_at(decided)})
+    tied = plain.top2_gaps[0] + 1e-6  # the tolerance that makes step 0's gap a tie
+    tie = evaluate_set(model, tok, _known(plain.tokens, len(tok), 2), [prompt], 8, tied,
+                       peers={"tie": differs_at(0)})["peers"]["tie"]
+    broken = m["peers"]["broken"]
+    assert broken["greedy_match"] == 0.0 and broken["mismatches"][0]["first_difference"] == decided
+    assert not broken["mismatches"][0]["tie"] and broken["greedy_ties"] == 0
+    assert tie["mismatches"][0]["tie"] and tie["greedy_ties"] == 1 and tie["greedy_match"] == 0.0
