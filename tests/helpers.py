@@ -114,3 +114,12 @@ def assert_packed_trains_as_padded(strategy, rows: list[dict]) -> None:
     assert len(packed_grads) == len(padded_grads) > 0
     for a, b in zip(packed_grads, padded_grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def greedy_lossless(metrics: dict) -> bool:
+    """Whether a greedy method's output is the target's own on every prompt (``greedy_match`` 1.0), a first
+    difference at a near-tie of the target's top-2 logits excepted (``mismatch["tie"]``: within the evaluator's
+    tie tolerance or the logits' resolution in their dtype). A multi-token verification and one-token steps, or
+    two CPUs' SIMD kernels, may break such a tie either way; any other difference is a broken contract."""
+    mismatches = metrics["mismatches"]
+    return (metrics["greedy_match"] == 1.0) == (not mismatches) and all(m["tie"] for m in mismatches)

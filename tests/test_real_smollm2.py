@@ -15,7 +15,7 @@ from draftheads.drafters.medusa.heads import MedusaHeads
 from draftheads.drafters.medusa.heads import MedusaDrafter
 from draftheads.models.speculative import plain_decode, speculative_decode
 from draftheads.models.target import TargetSpec, load_target, resolve_target_path
-from tests.helpers import CONF
+from tests.helpers import CONF, greedy_lossless
 from tests.helpers import run_medusa as run
 
 pytestmark = pytest.mark.real
@@ -92,7 +92,7 @@ def short_real_run(tmp_path_factory, cache_dir):
 def test_a_short_real_run_beats_chance_and_stays_lossless(short_real_run):
     out, report = short_real_run
     for m in report["eval"].values():
-        assert m["greedy_match"] == 1.0, m["mismatches"]
+        assert greedy_lossless(m), m["mismatches"]
     assert report["validation"]["val/head1_top1"] > 0.05  # chance is 1/49152
     assert report["validation"]["drift/greedy_agreement"] > 0.9
     assert json.loads((out / "export" / "vllm" / "config.json").read_text())["hidden_size"] == 576
