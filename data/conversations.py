@@ -1,7 +1,9 @@
 """Rows of any common chat format -> normalised conversations, with bad input counted or refused.
 
 Formats (``data.format``, ``auto`` tells them apart by their fields):
-- ``messages``: OpenAI ``[{"role": ..., "content": ...}]``;
+- ``messages``: OpenAI ``[{"role": ..., "content": ...}]``; a file written by ``train/regenerate.py`` is one too, and
+  what it adds is kept: each answer's ``token_ids`` (trained as generated, not re-encoded) and ``unfinished``
+  (answers cut by the token budget train without an end-of-turn token, which the target never produced);
 - ``sharegpt``: ``conversations: [{"from": "human"|"gpt"|"system", "value": ...}]``;
 - ``prompt``: a single prompt (``prompt``, ``question``, ``instruction`` (+ ``input``), or MT-Bench ``turns``);
 - ``tokenized``: ``input_ids`` + ``loss_mask`` lists, used as they are (no template, no regeneration).
@@ -41,12 +43,14 @@ class BadRow(ValueError):
 @dataclass(frozen=True)
 class Chat:
     """One normalised conversation: ``messages`` as ``{"role", "content"}`` dicts (roles system?, then user
-    and assistant), or ``tokens`` ``(input_ids, loss_mask)`` for pre-tokenised rows; provenance ``source``
-    (file or dataset) and 0-based ``row``."""
+    and assistant; an answer may keep the ``token_ids`` the target generated), or ``tokens`` ``(input_ids,
+    loss_mask)`` for pre-tokenised rows; provenance ``source`` (file or dataset) and 0-based ``row``."""
     source: str
     row: int
     messages: tuple[dict, ...] = ()
     tokens: tuple[tuple[int, ...], tuple[bool, ...]] | None = None
+    unfinished: tuple[int, ...] = ()
+    """Indices (into ``messages``) of answers the target left unfinished at its token budget."""
 
     @property
     def where(self) -> str:
@@ -88,25 +92,44 @@ def detect_format(row: dict) -> str:
 def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto", field: str | None = None) -> Chat:
     """Normalise one raw row; ``field`` names the column holding the prompt or the turns (default: by format).
     Raises :class:`BadRow` (reasons: not_an_object, missing_field, missing_role, unknown_role,
-    non_string_content, empty_conversation, system_not_first, no_user_turn, bad_tokens)."""
+    non_string_content, empty_conversation, system_not_first, no_user_turn, bad_tokens, bad_unfinished,
+    failed_regeneration)."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
         raise BadRow(where, "<row>", "not_an_object", f"expected a JSON object, got {type(row).__name__}")
+    if isinstance(row.get("error"), str):  # a regeneration file's failed row holds the input, not answers
+        raise BadRow(where, "error", "failed_regeneration", f"the target failed on this row: {row['error']}")
     if field is not None:
-        return Chat(source, index, messages=tuple(normalise(_field_turns(row, where, field), where)))
-    fmt = detect_format(row) if fmt == "auto" else fmt
-    if fmt not in FORMATS:
-        raise ValueError(f"data.format={fmt!r} is not one of {FORMATS}")
-    if fmt == "tokenized":
-        return Chat(source, index, tokens=_tokens(row, where))
-    if fmt == "prompt":
-        turns = [{"role": "user", "content": _prompt_text(row, where)}]
+        turns = _field_turns(row, where, field)
     else:
-        key, role_key, content_key = ("messages", "role", "content") if fmt == "messages" else \
-            ("conversations", "from", "value")
-        turns = _turns(row, where, key, role_key, content_key)
-    return Chat(source, index, messages=tuple(normalise(turns, where)))
+        fmt = detect_format(row) if fmt == "auto" else fmt
+        if fmt not in FORMATS:
+            raise ValueError(f"data.format={fmt!r} is not one of {FORMATS}")
+        if fmt == "tokenized":
+            return Chat(source, index, tokens=_tokens(row, where))
+        if fmt == "prompt":
+            turns = [{"role": "user", "content": _prompt_text(row, where)}]
+        else:
+            key, role_key, content_key = ("messages", "role", "content") if fmt == "messages" else \
+                ("conversations", "from", "value")
+            turns = _turns(row, where, key, role_key, content_key)
+    messages = normalise(_mark_unfinished(row, turns, where), where)
+    unfinished = tuple(i for i, m in enumerate(messages) if m.pop("unfinished", False))
+    return Chat(source, index, messages=tuple(messages), unfinished=unfinished)
+
+
+def _mark_unfinished(row: dict, turns: list[dict], where: str) -> list[dict]:
+    """``turns`` with the answers the row's ``unfinished`` indices name (a regeneration file's: indices into its
+    turns) flagged ``unfinished``, a flag :func:`normalise` carries to the turn's normalised place."""
+    if row.get("unfinished") is None:
+        return turns
+    marked = row["unfinished"]
+    if not isinstance(marked, list) or not all(isinstance(i, int) and 0 <= i < len(turns)
+                                               and turns[i]["role"] == "assistant" for i in marked):
+        raise BadRow(where, "unfinished", "bad_unfinished", f"must list indices of assistant turns (0..{len(turns) - 1}"
+                                                            f"), got {marked!r}")
+    return [dict(t, unfinished=True) if i in marked else t for i, t in enumerate(turns)]
 
 
 def _tokens(row: dict, where: str) -> tuple[tuple[int, ...], tuple[bool, ...]]:
@@ -168,6 +191,11 @@ def _turns(row: dict, where: str, key: str, role_key: str, content_key: str) -> 
             raise BadRow(where, f"{name}.{content_key}", "non_string_content",
                          f"must be a string, got {type(content).__name__}")
         out.append({"role": role, "content": _utf8(content, where, f"{name}.{content_key}")})
+        if role == "assistant" and turn.get("token_ids") is not None:  # as the target generated them
+            ids = turn["token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise BadRow(where, f"{name}.token_ids", "bad_tokens", "must be a list of token ids")
+            out[-1]["token_ids"] = ids
     return out
 
 
@@ -183,15 +211,16 @@ def _utf8(text: str, where: str, name: str) -> str:
 
 
 def normalise(turns: list[dict], where: str) -> list[dict]:
-    """Drop empty turns, merge consecutive turns of one role, check the order. Raises :class:`BadRow` for
-    an empty conversation, a system turn after the first, no user turn, or an assistant turn before any
-    user turn."""
+    """Drop empty turns, merge consecutive turns of one role, check the order. A merged turn keeps the later
+    turn's ``unfinished`` flag and no ``token_ids`` (they spelled its parts). Raises :class:`BadRow` for an empty
+    conversation, a system turn after the first, no user turn, or an assistant turn before any user turn."""
     merged: list[dict] = []
     for t in turns:
         if not t["content"].strip():
             continue
         if merged and merged[-1]["role"] == t["role"]:
-            merged[-1] = {"role": t["role"], "content": merged[-1]["content"] + "\n\n" + t["content"]}
+            merged[-1] = {"role": t["role"], "content": merged[-1]["content"] + "\n\n" + t["content"],
+                          **({"unfinished": True} if t.get("unfinished") else {})}
         else:
             merged.append(dict(t))
     if not merged:

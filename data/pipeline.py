@@ -71,7 +71,8 @@ def _fit_template(chats: list, tokenizer, data_cfg, report: DataReport) -> list:
                 raise ValueError(f"{c.where}: {e}") from None
             report.skip("template_rejected", f"{c.where}: {e}")
             continue
-        out.append(type(c)(c.source, c.row, tuple(messages)))
+        dropped = len(c.messages) - len(messages)  # a system turn folded or dropped moves every answer up
+        out.append(type(c)(c.source, c.row, tuple(messages), unfinished=tuple(i - dropped for i in c.unfinished)))
     return out
 
 

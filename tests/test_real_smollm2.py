@@ -107,3 +107,32 @@ def test_the_real_runs_medusa_export_reaches_parity_in_vllm(short_real_run):
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 3}]"])
     assert rows[0]["parity"] and rows[0]["identical"] == 1.0 and rows[0]["drafts_ours"] == rows[0]["drafts_vllm"]
     assert rows[0]["tau_ours"] > 1.0  # trained heads: some drafts accepted, on both sides
+
+
+def test_regenerate_then_train_from_the_file_trains_what_the_job_trains(smollm2, tmp_path, cache_dir):
+    """The two-step flow for big targets (train/regenerate.py to a file, then a job on that file with
+    ``data.regenerate=false``) trains exactly the ids and masks the in-job regeneration trains for the same rows:
+    each answer as generated, and no end-of-turn token after an answer the budget cut."""
+    from draftheads.data.pipeline import self_distilled_rows
+    from draftheads.jobs.regenerate import regenerate_data
+    from draftheads.packaged import chitchat_conversations
+    from draftheads.training.config import to_schema
+    model, tokenizer, _ = smollm2
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": c.messages[0]}) + "\n" for c in chitchat_conversations()[:16]))
+    data = ["data.source=jsonl", f"data.path={prompts}", "data.generation.max_new_tokens=12"]
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        regenerate_data(compose("regenerate", overrides=[*data, f"cache_dir={cache_dir}",
+                                                         f"output={tmp_path / 'answers.jsonl'}"]))
+        in_job, from_file = (to_schema(compose("medusa", overrides=[*data, "data.num_train_prompts=15",
+                                                                     "data.num_val_prompts=1", *more])).data
+                             for more in ([], [f"data.path={tmp_path / 'answers.jsonl'}", "data.regenerate=false"]))
+    rows = []
+    for data_cfg in (in_job, from_file):
+        train, val, report = self_distilled_rows(data_cfg, model, tokenizer, {"test": "regenerate-then-train"},
+                                                 tmp_path / "cache", False)
+        rows.append((train + val, report.unfinished_answers))
+    (job_rows, job_unfinished), (file_rows, file_unfinished) = rows
+    assert len(job_rows) == len(file_rows) == 16 and job_unfinished == file_unfinished > 0
+    for key in ("input_ids", "loss_mask"):
+        assert [r[key].tolist() for r in file_rows] == [r[key].tolist() for r in job_rows]

@@ -45,10 +45,15 @@ BAD = {  # reason -> the line that must be skipped for it
     "assistant_first": json.dumps({"messages": [{"role": "assistant", "content": "Welcome!"},
                                                 {"role": "user", "content": "Thanks."},
                                                 {"role": "assistant", "content": "Anytime."}]}).encode(),
+    "bad_unfinished": json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+                                  "unfinished": [0]}).encode(),  # a user turn cannot be an unfinished answer
+    "failed_regeneration": json.dumps({"messages": [{"role": "user", "content": "Hi"}],
+                                       "error": "turn 0: APITimeoutError"}).encode(),
 }
 EXPECTED_FIELD = {"invalid_json": "<line>", "invalid_utf8": "<line>", "missing_role": "messages[0].role",
                   "unknown_role": "messages[0].role", "non_string_content": "messages[0].content",
-                  "empty_conversation": "messages", "assistant_first": "messages"}
+                  "empty_conversation": "messages", "assistant_first": "messages", "bad_unfinished": "unfinished",
+                  "failed_regeneration": "error"}
 
 
 def write_jsonl(path: Path, lines: list[bytes]) -> Path:
@@ -91,11 +96,12 @@ def test_lenient_mode_skips_and_counts_every_bad_row_and_loses_no_good_one(tiny,
         assert f"field {field!r}" in report.examples[reason]
     assert str(mixed_file) in report.examples["unknown_role"] and ":5:" in report.examples["invalid_json"]
     described = report.describe()
-    assert "14 rows in -> 5 out" in described and "unknown_role 1" in described
+    assert f"{len(GOOD) + len(BAD) + 1} rows in -> 5 out" in described and "unknown_role 1" in described
 
 
 @pytest.mark.parametrize("reason", ["invalid_json", "invalid_utf8", "unknown_role", "non_string_content",
-                                    "empty_conversation", "missing_role", "assistant_first"])
+                                    "empty_conversation", "missing_role", "assistant_first", "bad_unfinished",
+                                    "failed_regeneration"])
 def test_strict_mode_fails_on_the_first_bad_row_naming_file_line_and_field(tmp_path, reason):
     path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps(GOOD[0]).encode(), BAD[reason]])
     with pytest.raises(BadRow) as err:
@@ -303,3 +309,23 @@ def test_two_ranks_share_the_regeneration_and_match_one_process(tmp_path):
     assert "[rank 0] answered 28 conversations" in logs["two"] and "[rank 1] answered 28 conversations" in logs["two"]
     assert files["two"].name == files["one"].name  # the same cache key
     assert files["two"].read_text() == files["one"].read_text()
+
+
+def test_a_regenerated_file_trains_exactly_what_the_regenerating_job_trains(tiny, tmp_path):
+    """train/regenerate.py's file read back as training data (``data.regenerate=false``) trains each answer's ids
+    as the target generated them, and no end-of-turn token after an answer its token budget cut: the rows of the
+    in-job path, token for token and mask for mask."""
+    from draftheads.data.batching import DataReport, rows_from_chats
+    from draftheads.data.regenerate import TransformersBackend, regenerate
+    model, tokenizer = tiny
+    chats = [Chat("test", i, ({"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Question {i}?"},
+                              {"role": "assistant", "content": "x"}, {"role": "user", "content": "And then?"}))
+             for i in range(4)]
+    answered = regenerate(TransformersBackend(model, tokenizer, GenerationSettings(max_new_tokens=6)), chats, 8,
+                          tmp_path / "answers.jsonl", show_progress=False)
+    in_job = rows_from_chats(tokenizer, answered, 512, DataReport())
+    train, val, report = self_distilled_rows(data_cfg(tmp_path / "answers.jsonl", max_length=512), model, tokenizer,
+                                             {}, "/unused", False)
+    assert report.unfinished_answers == sum(len(r.unfinished) for r in answered) > 0
+    for key in ("input_ids", "loss_mask"):
+        assert [r[key].tolist() for r in train + val] == [r[key].tolist() for r in in_job]
