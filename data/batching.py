@@ -24,10 +24,13 @@ from draftheads.data.templates import TemplateRejected, chat_tokens
 
 @dataclass
 class DataReport:
-    """What happened to the rows, printed and logged: every input row is either out (trained on or held out)
-    or counted under one reason."""
+    """What happened to the rows, printed and logged: every input row is either out (trained on or held out),
+    left out of the processes' equal shares, or counted under one reason."""
     rows_in: int = 0
     rows_out: int = 0
+    rows_left_out: int = 0
+    """Training rows beyond the processes' equal shares (:func:`rank_shard`), trained by none (set by the job,
+    which knows the number of processes)."""
     skipped: dict[str, int] = field(default_factory=dict)
     """Bad input by reason (invalid_json, unknown_role, template_rejected, too_long...)."""
     failed: int = 0
@@ -60,7 +63,8 @@ class DataReport:
         """One line for the terminal."""
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())) or "none"
         pad = "" if self.padding_fraction is None else f", padding {self.padding_fraction:.1%}"
-        return (f"{self.rows_in} rows in -> {self.rows_out} out, skipped: {skipped}; failed {self.failed}, "
+        left = f" + {self.rows_left_out} left out (beyond the processes' equal shares)" if self.rows_left_out else ""
+        return (f"{self.rows_in} rows in -> {self.rows_out} out{left}, skipped: {skipped}; failed {self.failed}, "
                 f"truncated {self.truncated}, unfinished answers {self.unfinished_answers}; {self.tokens} tokens, "
                 f"{self.trainable_fraction:.1%} trainable; lengths {self.length_percentiles}{pad}")
 
@@ -120,8 +124,8 @@ def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport,
 
 def data_scalars(report: DataReport) -> dict[str, float]:
     """The data report as tracker scalars: counts, skips by reason, length percentiles, fractions."""
-    out = {k: getattr(report, k) for k in ("rows_in", "rows_out", "failed", "truncated", "unfinished_answers",
-                                            "tokens", "trainable_tokens", "trainable_fraction")}
+    out = {k: getattr(report, k) for k in ("rows_in", "rows_out", "rows_left_out", "failed", "truncated",
+                                            "unfinished_answers", "tokens", "trainable_tokens", "trainable_fraction")}
     out |= {f"skipped_{k}": v for k, v in report.skipped.items()}
     out |= {f"length_{k}": v for k, v in report.length_percentiles.items()}
     if report.padding_fraction is not None:
@@ -307,7 +311,8 @@ def _stretch(batches: list[list[dict]], count: int) -> list[list[dict]]:
 
 def rank_shard(rows: list, rank: int, world_size: int) -> list:
     """This rank's fixed share of ``rows``: every rank gets ``len(rows) // world_size`` rows (the remainder
-    is left out, so every rank runs the same number of steps and no collective waits forever)."""
+    is left out, so every rank runs the same number of steps and no collective waits forever; the job counts it
+    in :attr:`DataReport.rows_left_out`). Raises ``ValueError`` when there are fewer rows than ranks."""
     per_rank = len(rows) // world_size
     if per_rank == 0:
         raise ValueError(f"{len(rows)} rows cannot be shared by {world_size} processes")

@@ -25,8 +25,14 @@ def cache_states(cfg: DictConfig) -> Path:
     With ``target_backend=vllm`` vLLM computes them (one process: vLLM brings its own parallelism) and this
     job holds only the target's ends (``model.partial``).
 
+    Its output_dir is claimed as a training job's is (:func:`~draftheads.training.job.claim_output_dir`): one
+    holding no run (nothing, or a state cache build) is taken, and the training job may then run there reading
+    the cache; one holding a training run is refused, whose ``config.yaml`` and ``target.json`` this job would
+    replace (``overwrite=true`` deletes that run but the cache).
+
     Raises ``OSError`` (28) when the disk cannot hold it; ``ValueError`` for ``model.partial`` with the
-    in-process target, or ``target_backend=vllm`` under several processes."""
+    in-process target, or ``target_backend=vllm`` under several processes; ``FileExistsError`` for an output_dir
+    holding a training run."""
     vllm = cfg.get("target_backend") == TargetBackend.vllm.value
     with open_dict(cfg):
         cfg.tracker.name = "none"  # a cache build is not a training run
@@ -43,7 +49,7 @@ def cache_states(cfg: DictConfig) -> Path:
                          "vllm.tensor_parallel_size / pipeline_parallel_size / data_parallel_size")
     recipe = drafters.get(conf.drafter)
     layer_ids = recipe.state_layers(conf, target)
-    train_rows, val_rows, _ = job_rows(job, attach=False, unusable=recipe.unusable)  # the rows training reads
+    train_rows, val_rows, _ = job_rows(job, attach=False, unusable=recipe.unusable, trains=False)  # what training reads
     rows = train_rows + val_rows
     spec = state_cache_spec(job, rows, layer_ids)
     folder = state_cache_dir(conf)

@@ -34,7 +34,9 @@ def train(name: str, cfg: DictConfig) -> dict:
     if job.conf.resume and set(_steps(job.conf)) <= set(previous.get("finished", ())):
         print(f"{job.out} finished already ({', '.join(previous['finished'])}): nothing to resume", flush=True)
         return close_job(job, previous if job.accelerator.is_main_process else {})
-    if job.accelerator.is_main_process and not job.conf.resume:  # an old report must not look like this run's
+    # an old report must not look like this run's; this one, nothing finished, lets a rerun claim the folder until
+    # a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no corrected rerun
+    if job.accelerator.is_main_process and not job.conf.resume:
         write_report({"drafter": recipe.name, "finished": [],
                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
     train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),

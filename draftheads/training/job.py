@@ -63,7 +63,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
 
     Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, what
     ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint of another target or of a stage not
-    in ``recipe.stages`` — before any work.
+    in ``recipe.stages``; ``FileExistsError`` for an output_dir holding a training run (:func:`claim_output_dir`)
+    — before any work.
     """
     conf = to_schema(cfg)
     if recipe is not None and conf.drafter != recipe.name:
@@ -71,15 +72,12 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     if conf.model.partial and recipe is not None:
         check_partial(conf, recipe)
     out = Path(conf.output_dir)
-    claim = recipe is not None and not conf.resume
-    if claim:  # refused before the tracker starts a run there
-        claim_output_dir(out, conf.overwrite, delete=False)
+    claim_job_dir(conf, recipe, delete=False)  # refused before the tracker starts a run there
     accelerator = make_accelerator(cfg, run_name=out.name)
     if accelerator.is_main_process:
         check_writable(out)
-    if claim:
-        claim_output_dir(out, conf.overwrite, delete=accelerator.is_main_process)
-        accelerator.wait_for_everyone()
+        claim_job_dir(conf, recipe, delete=True)
+    accelerator.wait_for_everyone()
     eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
@@ -92,7 +90,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     print0(accelerator, decoding_line(conf, target, tokenizer))
     if recipe is not None:
         recipe.check(conf, target)
-    resume = latest_checkpoint(out, identity, recipe.stages if recipe else ()) if conf.resume else None
+    resume = latest_checkpoint(out, identity, recipe.stages) if recipe is not None and conf.resume else None
     if accelerator.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
         (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
@@ -129,16 +127,84 @@ def decoding_line(conf, target, tokenizer) -> str:
                    f"apply applies them): every path decodes with the configured settings" if defaults else "")
 
 
-def claim_output_dir(out: Path, overwrite: bool, delete: bool) -> None:
-    """A new run's output_dir must not hold another run (checkpoints, report.json): ``FileExistsError`` naming
-    the choices, before any work; with ``overwrite`` and ``delete`` (the main process) they are deleted, so
-    nothing of the old run is left to look like this one's."""
-    held = [p for p in (out / "checkpoints", out / "report.json") if p.exists()]
-    if held and not overwrite:
-        raise FileExistsError(f"output_dir={out} holds a run ({', '.join(p.name for p in held)}): resume=true "
-                              f"continues it, overwrite=true starts afresh there, or choose another output_dir")
-    for p in held if delete and overwrite else ():
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
+RUN_ENTRIES = ("config.yaml", TARGET_FILE, "report.json", "report.json.tmp", "checkpoints", "export", "medusa_heads",
+               "acceptance.png", "vllm_parity.json", "hidden_states")
+"""What a run, its state cache build and the jobs reading it back write in its output_dir (a drafter's own save:
+``export/``, ``medusa_heads/``): an overwriting run deletes these and nothing else."""
+
+TRACKER_ENTRIES = ("logs", "wandb", "wandb_run_id")
+"""The tracker's files in output_dir, left as they are by an overwriting run: the tracker opens them as the
+accelerator starts, before the main process (which deletes) is known; so the new run's TensorBoard events lie
+beside the old ones, and W&B continues the old run's id."""
+
+PROBE = ".write-probe-"
+"""Name prefix of :func:`check_writable`'s probe file (one left by a killed job is a run's too)."""
+
+
+def claim_job_dir(conf: RunConfig, recipe: Recipe | None, delete: bool) -> None:
+    """:func:`claim_output_dir` for a job of ``recipe`` (None: a state cache build). A resumed training run
+    continues its folder unclaimed; a state cache build claims it even with ``resume`` (it resumes by itself)
+    and keeps the cache it writes; a training run keeps the cache it reads (``data.hidden_states=offline``)."""
+    if recipe is not None and conf.resume:
+        return
+    reads_cache = recipe is None or conf.data.hidden_states == HiddenStates.offline
+    claim_output_dir(Path(conf.output_dir), conf.overwrite, delete, keep=state_cache_dir(conf) if reads_cache else None,
+                     resumable=recipe is not None)
+
+
+def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None = None,
+                     resumable: bool = True) -> None:
+    """Every job's claim on its output_dir. A folder holding a training run (:func:`run_marks`) is refused:
+    ``FileExistsError`` naming the choices (``resume=true`` for a ``resumable`` job, ``overwrite=true``, another
+    output_dir), before any work. With ``overwrite`` and ``delete`` (the main process, once) the old run's files
+    (:data:`RUN_ENTRIES`) are deleted but the state cache at ``keep`` (the one this job reads or writes), so
+    nothing of the old run is left beside this one's. A folder holding a run and files no run writes
+    (output_dir=. or $HOME by mistake) is refused with ``FileExistsError`` naming them, nothing in it deleted.
+    A folder holding no run (a state cache build, a run that failed before training) is taken as it is."""
+    marks = run_marks(out)
+    if not marks:
+        return
+    if not overwrite:
+        choices = "resume=true continues it, " if resumable else ""
+        raise FileExistsError(f"output_dir={out} holds a training run ({', '.join(marks)}): {choices}overwrite=true "
+                              f"starts afresh there, or choose another output_dir")
+    old = _old_run(out, keep)  # refused before anything is deleted
+    for p in old if delete else ():
+        p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)  # a link goes, never its target
+
+
+def run_marks(out: Path) -> list[str]:
+    """What shows that ``out`` holds a training run: its ``checkpoints/`` or ``report.json``. A report saying
+    nothing finished beside no checkpoint is a run that failed before training produced anything (bad data, no
+    row left): no run, so the corrected rerun needs no ``overwrite``."""
+    marks = [p.name for p in (out / "checkpoints", out / "report.json") if p.exists()]
+    return [] if marks == ["report.json"] and _nothing_finished(out / "report.json") else marks
+
+
+def _nothing_finished(report: Path) -> bool:
+    """Whether ``report`` is the one a run writes as it starts (``finished`` empty); an unreadable one is not."""
+    try:
+        return json.loads(report.read_text()).get("finished") == []
+    except (OSError, ValueError):  # OSError: also one the main process deletes meanwhile (overwrite=true)
+        return False
+
+
+def _old_run(out: Path, keep: Path | None) -> list[Path]:
+    """The entries of ``out`` an overwriting run deletes: all but the tracker's and the one holding ``keep``.
+    Raises ``FileExistsError`` naming those no run writes, before anything is deleted."""
+    old = [p for p in out.iterdir() if p.name not in TRACKER_ENTRIES and not (keep is not None and _holds(p, keep))]
+    foreign = sorted(p.name for p in old if p.name not in RUN_ENTRIES and not p.name.startswith(PROBE))
+    if foreign:
+        raise FileExistsError(f"output_dir={out} holds a training run and files no run writes ({', '.join(foreign)}): "
+                              f"overwrite=true deletes only a run's own ({', '.join(RUN_ENTRIES)}); move them away or "
+                              f"choose another output_dir")
+    return old
+
+
+def _holds(entry: Path, path: Path) -> bool:
+    """Whether ``path`` is ``entry`` or inside it, read through symbolic links or not."""
+    return (path.resolve().is_relative_to(entry.resolve())
+            or Path(os.path.abspath(path)).is_relative_to(os.path.abspath(entry)))
 
 
 def check_writable(out: Path) -> None:
@@ -146,7 +212,7 @@ def check_writable(out: Path) -> None:
     work (not at the first checkpoint)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-probe-{os.getpid()}"
+        probe = out / f"{PROBE}{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -154,12 +220,14 @@ def check_writable(out: Path) -> None:
 
 
 def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = True,
-             unusable: Callable[[dict], str | None] | None = None) -> tuple[list[dict], list[dict], DataReport]:
+             unusable: Callable[[dict], str | None] | None = None,
+             trains: bool = True) -> tuple[list[dict], list[dict], DataReport]:
     """Training and validation rows answered by the target (cached; the ranks share the regeneration), with
     ``attach`` each with its cached target states: ``hidden_states`` (last layer) or, with ``layer_ids``,
     ``target_features``. Every process attaches states to its own training share; the main process also to
     the validation rows. A row ``unusable`` names a reason for (the drafter cannot train on it) is skipped and
-    counted in the data report.
+    counted in the data report; with ``trains`` (not for a state cache, which holds every row) so are the
+    training rows beyond the processes' equal shares (:func:`rank_shard`), as left out.
 
     Raises ``ValueError`` before any target state is computed when no training or no validation row is left.
     """
@@ -175,6 +243,9 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = 
         raise ValueError(f"no {'training' if not train_rows else 'validation'} row left after skipping bad ones "
                          f"({report.describe()}; first errors: {report.examples}): add rows "
                          f"(data.num_train_prompts, data.num_val_prompts) or fix the data")
+    if trains:
+        report.rows_left_out = len(train_rows) % accelerator.num_processes
+        report.rows_out -= report.rows_left_out
     report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed,
                                                packed=conf.trainer.tokens_per_batch is not None)
     print0(accelerator, f"data: {report.describe()}")

@@ -7,22 +7,23 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
 import draftheads.data.regenerate as regen_mod
-from draftheads.data.batching import (BatchPlan, DataReport, collate, epoch_batches, pack, rank_shard, rows_from_chats,
-                                      token_batches, unpack)
+from draftheads.data.batching import (BatchPlan, DataReport, collate, data_scalars, epoch_batches, pack, rank_shard,
+                                      rows_from_chats, token_batches, unpack)
 from draftheads.data.conversations import Chat, first_user_prompts, load_chats
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
 from draftheads.data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
                           PromptSource, chitchat_prompts, humaneval_prompts)
 from draftheads.models.target import TINY, TargetSpec, load_target
-from tests.helpers import ROOT
+from draftheads.training.job import job_rows, open_job
+from tests.helpers import ROOT, smoke
 
 ALL = 10**9  # a limit no source reaches
 REAL_GENERATE = regen_mod.generate_ids  # before any test monkeypatches it
@@ -338,6 +339,32 @@ def test_rank_shard_equal_and_disjoint(n_rows, world_size):
 def test_rank_shard_too_few_rows():
     with pytest.raises(ValueError, match="3 rows"):
         rank_shard([0, 1, 2], 0, 4)
+
+
+class RankZeroOfTwo:
+    """A one-process job's accelerator as rank 0 of two processes sees it (every rank reads all the rows)."""
+    num_processes, process_index = 2, 0
+
+    def __init__(self, accelerator):
+        self.accelerator = accelerator
+
+    def __getattr__(self, name):
+        return getattr(self.accelerator, name)
+
+
+def test_training_rows_beyond_the_processes_equal_shares_are_counted_as_left_out(tmp_path, cache_dir):
+    """Each process trains ``len(rows) // processes`` training rows (:func:`rank_shard`): the data report counts
+    the rest as left out (printed, logged, in report.json) rather than as trained on."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": [5 + i] * 30, "loss_mask": [0] * 10 + [1] * 20}) + "\n"
+                            for i in range(12)))
+    job = open_job(smoke("medusa", tmp_path / "run", cache_dir, "data.source=jsonl", f"data.path={path}",
+                         "data.regenerate=false", "data.num_train_prompts=11", "data.num_val_prompts=1"))
+    train, _, report = job_rows(replace(job, accelerator=RankZeroOfTwo(job.accelerator)), attach=False)
+    assert len(train) == 11  # 10 trained, 1 left out; and 1 held out
+    assert (report.rows_in, report.rows_out, report.rows_left_out) == (12, 11, 1)
+    assert "+ 1 left out" in report.describe()
+    assert data_scalars(report)["rows_left_out"] == report.as_dict()["rows_left_out"] == 1
 
 
 def test_epoch_batches_deterministic_complete_and_length_grouped():

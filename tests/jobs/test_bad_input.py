@@ -25,6 +25,17 @@ def test_a_validation_share_emptied_by_skipped_rows_fails_before_training(tmp_pa
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_run_that_failed_on_bad_data_does_not_block_the_corrected_rerun(tmp_path, cache_dir):
+    """The failed run trained nothing: its output_dir holds no run, so the rerun needs no overwrite=true."""
+    out, short = tmp_path / "run", ["stage1.epochs=1", "stage2.enabled=false"]
+    bad = tokenized(tmp_path / "bad.jsonl", [(30, 20)] * 10 + [(30, 0)])  # the held-out row trains nothing
+    with pytest.raises(ValueError, match="no validation row left"):
+        run_medusa(smoke("medusa", out, cache_dir, *bad, *short))
+    good = tokenized(tmp_path / "good.jsonl", [(30, 20)] * 11)
+    report = run_medusa(smoke("medusa", out, cache_dir, *good, *short))
+    assert report["finished"] == ["training", "validation", "save", "export"] and report["data"]["rows_out"] == 11
+
+
 def test_rows_a_dflash_block_cannot_train_on_are_skipped_and_counted(tmp_path, cache_dir):
     """Rows with a single trainable token (an empty answer's end of turn) give a DFlash block no target: they
     are counted, not trained on, and never fill a batch on their own."""
