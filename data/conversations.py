@@ -283,7 +283,8 @@ def load_chats(src: PromptSource, part: str, limit: int, fmt: str = "auto", stri
 
 
 def first_user_prompts(src: PromptSource, part: str, limit: int) -> list[Prompt]:
-    """Up to ``limit`` prompts of ``src`` (an eval set): each conversation's first user turn, read strictly
-    (the first bad row raises its :class:`BadRow`)."""
-    return [Prompt(c.source, c.row, next(m["content"] for m in c.messages if m["role"] == "user"))
+    """Up to ``limit`` prompts of ``src`` (an eval set): each conversation up to its first answer, i.e. its system
+    turn if any and its first user turn, read strictly (the first bad row raises its :class:`BadRow`)."""
+    return [Prompt(c.source, c.row, next(m["content"] for m in c.messages if m["role"] == "user"),
+                   c.messages[0]["content"] if c.messages[0]["role"] == "system" else None)
             for c in load_chats(src, part, limit, strict=True)]

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftheads.choice import Choice
 from draftheads.data.conversations import Chat
-from draftheads.data.templates import check_template, stop_token_ids
+from draftheads.data.templates import apply_system_policy, check_template, stop_token_ids
 from draftheads.models.decoding import cut_at_stop, explicit_generation
 from draftheads.models.partial import refuse_partial
 
@@ -98,6 +98,14 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, text_or_messages) -> list[int
                 else list(text_or_messages))
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def prompt_messages(tokenizer: PreTrainedTokenizerBase, prompt) -> list[dict]:
+    """An eval :class:`~draftheads.data.sources.Prompt` as the chat the target answers: its system turn, if any,
+    as training renders it by default (``data.system=auto``: kept where the template accepts system turns, else
+    folded into the user turn), then the user turn."""
+    system = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    return apply_system_policy(tokenizer, system + [{"role": "user", "content": prompt.text}], "auto")
 
 
 class TransformersBackend:

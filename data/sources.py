@@ -19,10 +19,12 @@ from draftheads.packaged import chitchat_conversations, package_file
 
 @dataclass(frozen=True)
 class Prompt:
-    """One user prompt: ``text`` and where it came from (``source`` file or set name, 0-based ``row``)."""
+    """One user prompt: ``text``, the conversation's ``system`` turn before it (None: none), and where it came
+    from (``source`` file or set name, 0-based ``row``)."""
     source: str
     row: int
     text: str
+    system: str | None = None
 
 
 SPLITS = {"train": (0, 90), "val": (90, 95), "eval": (95, 100)}

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftheads.data.conversations import first_user_prompts
-from draftheads.data.regenerate import prompt_ids
+from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.templates import stop_token_ids
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
@@ -68,7 +68,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     plain, spec, mismatches = [], [], []
     others: dict[str, list[DecodeResult]] = {name: [] for name in peers}
     for p in tqdm(prompts, desc=desc, unit="prompt"):
-        ids = torch.tensor(prompt_ids(tokenizer, p.text), device=device)
+        ids = torch.tensor(prompt_ids(tokenizer, prompt_messages(tokenizer, p)), device=device)
         plain.append(plain_decode(target, ids, max_new_tokens, stop, sampling, generator))
         spec.append(speculative_decode(target, drafter, ids, max_new_tokens, stop, sampling, generator))
         for name, decode in peers.items():

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from draftheads import drafters
-from draftheads.data.regenerate import prompt_ids
+from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
@@ -29,10 +29,11 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     spec = run.recipe.vllm_config(run.folder, run.conf, run.trained)
     rows = []
     for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True)).items():
-        ids = [prompt_ids(tokenizer, p.text) for p in prompts]
+        chats = [prompt_messages(tokenizer, p) for p in prompts]
+        ids = [prompt_ids(tokenizer, chat) for chat in chats]
         ours = our_side(run.target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)
         job = {"target": str(run.target_path), "speculative_config": spec, "prompts": ids, "max_tokens":
-               eval_cfg.max_new_tokens, "messages": [[{"role": "user", "content": p.text}] for p in prompts],
+               eval_cfg.max_new_tokens, "messages": chats,
                "port": 8011, "stop_token_ids": sorted(stop_token_ids(tokenizer, run.target.generation_config)),
                "chat_template": tokenizer.chat_template}
         rows.append({"mode": "offline", **compare(name, ours, run_vllm(python, {**job, "mode": "offline"}))})

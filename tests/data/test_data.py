@@ -160,7 +160,7 @@ def test_eval_prompts_from_jsonl_accept_prompt_turns_and_messages(tmp_path):
     path.write_text("".join(("" if x is None else json.dumps(x)) + "\n" for x in lines))
     got = first_user_prompts(PromptSource("jsonl", str(path)), "eval", ALL)
     assert got == [Prompt(str(path), 0, "Plain prompt"), Prompt(str(path), 1, "First MT-Bench turn"),
-                   Prompt(str(path), 3, "User message")]
+                   Prompt(str(path), 3, "User message", system="be nice")]
     assert first_user_prompts(PromptSource("jsonl", str(path)), "eval", 2) == got[:2]
 
 

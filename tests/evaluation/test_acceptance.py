@@ -222,3 +222,26 @@ def test_a_peer_that_differs_from_plain_greedy_reports_where_and_whether_at_a_ti
     assert broken["greedy_match"] == 0.0 and broken["mismatches"][0]["first_difference"] == decided
     assert not broken["mismatches"][0]["tie"] and broken["greedy_ties"] == 0
     assert tie["mismatches"][0]["tie"] and tie["greedy_ties"] == 1 and tie["greedy_match"] == 0.0
+
+
+def test_an_eval_prompt_is_decoded_with_its_system_turn(tiny, tmp_path):
+    """An eval row with a system message is measured on the conversation up to its first answer, system turn
+    included, as training renders it: not on its user turn alone."""
+    import json
+    from draftheads.data.conversations import first_user_prompts
+    from draftheads.data.sources import PromptSource
+    from draftheads.evaluation.evaluator import evaluate_set
+    model, tok = tiny
+    path = tmp_path / "eval.jsonl"
+    chat = [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": "Bonjour"}]
+    path.write_text(json.dumps({"messages": chat}) + "\n")
+    prompts = first_user_prompts(PromptSource("jsonl", str(path)), "eval", 1)
+    seen = []
+
+    def recording(prompt_ids_, generator):
+        seen.append(prompt_ids_.tolist())
+        return plain_decode(model, prompt_ids_, 4, ())
+
+    evaluate_set(model, tok, _known([0] * 64, len(tok), 0), prompts, 4, 1e-4, peers={"recording": recording})
+    assert seen[-1] == prompt_ids(tok, chat[:2]) and "You answer in French." in tok.decode(seen[-1])
