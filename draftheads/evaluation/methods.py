@@ -12,10 +12,13 @@ from draftheads.models.speculative import Sampling, prompt_lookup_decode
 
 
 def load_eval_sets(eval_cfg) -> dict[str, list]:
-    """Each eval set's held-out prompts. Raises ``ValueError`` for an empty set or ``max_new_tokens`` < 1,
-    and the source's own error (file, line, field) for a malformed file."""
+    """Each eval set's held-out prompts. Raises ``ValueError`` for no set (evaluation enabled), an empty set or
+    ``max_new_tokens`` < 1, and the source's own error (file, line, field) for a malformed file."""
     if eval_cfg.max_new_tokens < 1:
         raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
+    if eval_cfg.enabled and not eval_cfg.sets:
+        raise ValueError("eval.sets=[]: no eval set to measure; name one (eval.sets=[{name: chitchat, source: "
+                         "chitchat, num_prompts: 16}]) or set eval.enabled=false")
     sets = {s.name: eval_prompts(s) for s in eval_cfg.sets} if eval_cfg.enabled else {}
     for name, prompts in sets.items():
         if not prompts:

@@ -176,6 +176,16 @@ def hub(path, **kw) -> list[Prompt]:
     return first_user_prompts(PromptSource("hub", str(path), **kw), "eval", ALL)
 
 
+def test_an_evaluation_with_no_eval_set_is_refused():
+    """``eval.sets=[]`` with evaluation on would print an empty table and exit 0: refused, naming the fix."""
+    from draftheads.evaluation.methods import load_eval_sets
+    from draftheads.training.config import to_schema
+    conf = to_schema(smoke("medusa", "unused", "unused", "eval.sets=[]")).eval
+    with pytest.raises(ValueError, match=r"eval.sets=\[\]: no eval set to measure.*eval.enabled=false"):
+        load_eval_sets(conf)
+    assert load_eval_sets(replace(conf, enabled=False)) == {}
+
+
 def test_hub_prompts_read_datasets_folders_and_files_with_any_common_prompt_field(tmp_path):
     """The path real users take (datasets.load_dataset on a hub id) run on a local folder: MT-Bench's list of
     turns, GSM8K's question, ShareGPT conversations; and local parquet/jsonl files."""
