@@ -10,7 +10,7 @@ Formats (``data.format``, ``auto`` tells them apart by their fields):
 
 Normalisation: roles become system/user/assistant (human/gpt/model/bot... mapped), empty turns are dropped,
 consecutive turns of one role are merged (joined by a blank line), a system prompt may only come first.
-Every rejected row raises :class:`BadRow` naming where it is (file:line or dataset[split] row), the field and
+Every rejected row raises :class:`BadRow` naming where it is (its 0-based row in the file or dataset, and a file's 1-based line), the field and
 a short ``reason`` the data report counts.
 """
 
@@ -58,12 +58,12 @@ class Chat:
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[str, int, object]]:
-    """``(where, row, parsed value or BadRow)`` per non-blank line of a JSONL file; ``row`` is 0-based, ``where``
-    names the 1-based line. Invalid UTF-8 and invalid JSON come back as BadRow, so one bad line loses nothing
-    else."""
+    """``(where, row, parsed value or BadRow)`` per non-blank line of a JSONL file; ``row`` is 0-based as every
+    source's rows are, ``where`` names it and the 1-based line an editor shows (``f.jsonl row 4 (line 5)``).
+    Invalid UTF-8 and invalid JSON come back as BadRow, so one bad line loses nothing else."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
-            where = f"{path}:{line_no}"
+            where = f"{path} row {line_no - 1} (line {line_no})"
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:

@@ -227,7 +227,7 @@ def test_jsonl_prompts_malformed_line_names_file_line_and_field(tmp_path, bad_li
     path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + bad_line + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError) as err:
         first_user_prompts(PromptSource("jsonl", str(path)), "eval", ALL)
-    assert f"{path}:3:" in str(err.value)
+    assert f"{path} row 2 (line 3):" in str(err.value)
     assert expected in str(err.value)
 
 

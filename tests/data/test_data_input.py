@@ -94,7 +94,7 @@ def test_lenient_mode_skips_and_counts_every_bad_row_and_loses_no_good_one(tiny,
     assert [r["row"] for r in val] == [len(GOOD) + len(BAD)]  # the last usable row is held out
     for reason, field in EXPECTED_FIELD.items():
         assert f"field {field!r}" in report.examples[reason]
-    assert str(mixed_file) in report.examples["unknown_role"] and ":5:" in report.examples["invalid_json"]
+    assert str(mixed_file) in report.examples["unknown_role"] and "row 4 (line 5)" in report.examples["invalid_json"]
     described = report.describe()
     assert f"{len(GOOD) + len(BAD) + 1} rows in -> 5 out" in described and "unknown_role 1" in described
 
@@ -106,7 +106,7 @@ def test_strict_mode_fails_on_the_first_bad_row_naming_file_line_and_field(tmp_p
     path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps(GOOD[0]).encode(), BAD[reason]])
     with pytest.raises(BadRow) as err:
         load_chats(PromptSource("jsonl", str(path)), "train", 10, strict=True)
-    assert str(err.value).startswith(f"{path}:2: field {EXPECTED_FIELD[reason]!r}") and err.value.reason == reason
+    assert str(err.value).startswith(f"{path} row 1 (line 2): field {EXPECTED_FIELD[reason]!r}") and err.value.reason == reason
 
 
 @pytest.mark.parametrize("row, field", [
