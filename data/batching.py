@@ -14,6 +14,7 @@ Contracts:
 
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import asdict, dataclass, field
 
@@ -307,6 +308,14 @@ def _stretch(batches: list[list[dict]], count: int) -> list[list[dict]]:
         half = len(batches[i]) // 2
         batches[i:i + 1] = [batches[i][:half], batches[i][half:]]
     return batches
+
+
+def rows_sha256(rows: list[dict]) -> str:
+    """sha256 of every row's ``input_ids`` in order: what a state cache and a checkpoint were made for."""
+    data = hashlib.sha256()
+    for r in rows:
+        data.update(torch.as_tensor(r["input_ids"]).numpy().astype("int64").tobytes() + b"|")
+    return data.hexdigest()
 
 
 def rank_shard(rows: list, rank: int, world_size: int) -> list:

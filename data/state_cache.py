@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from draftheads.data.batching import collate
+from draftheads.data.batching import collate, rows_sha256
 from draftheads.data.hidden_states import last_hidden_states, layer_features
 from draftheads.models.partial import named_weights
 from draftheads.models.target import torch_dtype
@@ -61,14 +61,11 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
 def cache_spec(model, identity: dict, tokenizer, rows: list[dict], layer_ids: Sequence[int] | None,
                max_length: int, dtype: str) -> CacheSpec:
     """The spec of states for ``rows`` from this target."""
-    data = hashlib.sha256()
-    for r in rows:
-        data.update(r["input_ids"].numpy().astype("int64").tobytes() + b"|")
     template = hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest()
     return CacheSpec({**identity, "weights_sha256": weights_fingerprint(model)},
                      list(layer_ids) if layer_ids is not None else None,
                      {"name": tokenizer.name_or_path, "vocab_size": len(tokenizer), "chat_template_sha256": template},
-                     max_length, data.hexdigest(), dtype)
+                     max_length, rows_sha256(rows), dtype)
 
 
 def estimated_bytes(rows: list[dict], width: int, dtype: str) -> int:

@@ -22,8 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from draftheads.data.batching import BatchPlan
-from draftheads.training.checkpoint import save_checkpoint
+from draftheads.data.batching import BatchPlan, rows_sha256
+from draftheads.training.checkpoint import check_plan, save_checkpoint
 from draftheads.training.sharding import configure_engine, full_state_dict, plain_twin, sharded
 
 
@@ -109,11 +109,16 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
 
     Args:
         trainer: ``TrainerConfig``; stage: ``StageConfig`` (``epochs``, ``max_steps``).
-        meta: recorded in every checkpoint (target identity...).
+        meta: recorded in every checkpoint (target identity...), with the batch plan (:func:`batch_plan`).
         resume_from: a checkpoint of this stage to continue from (``accelerator.load_state``).
     Returns:
         the final :class:`TrainState`.
+    Raises:
+        ValueError: ``resume_from`` was written on another batch plan (naming the fields), before any work.
     """
+    meta = {**meta, "plan": batch_plan(accelerator, trainer, rows)}
+    if resume_from:
+        check_plan(resume_from, meta["plan"])
     plan = BatchPlan(rows, accelerator.process_index, accelerator.num_processes, trainer.batch_size,
                      trainer.tokens_per_batch, trainer.seed, strategy.unpacks)
     total_steps = plan.total(stage.epochs) // trainer.grad_accum
@@ -216,6 +221,16 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
         strategy.adopt(twin)
     accelerator.free_memory()  # the next stage prepares its own module and optimizer
     return state
+
+
+def batch_plan(accelerator: Accelerator, trainer, rows: list[dict]) -> dict:
+    """What decides which rows each micro-batch holds, so a resumed run must keep it: the batch sizes, the
+    accumulation, the seed that shuffles, the number of processes sharing the rows, and a sha256 of the rows'
+    token ids in order. ``trainer.batch_size`` only for batches of rows (packed batches do not read it)."""
+    rows_per_batch = {"trainer.batch_size": trainer.batch_size} if trainer.tokens_per_batch is None else {}
+    return {**rows_per_batch, "trainer.tokens_per_batch": trainer.tokens_per_batch,
+            "trainer.grad_accum": trainer.grad_accum, "trainer.seed": trainer.seed,
+            "num_processes": accelerator.num_processes, "data_sha256": rows_sha256(rows)}
 
 
 def _autocast(device: torch.device, mixed_precision: str):
