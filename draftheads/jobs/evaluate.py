@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftheads import drafters
-from draftheads.data.regenerate import prompt_ids
+from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
 from draftheads.evaluation.methods import load_eval_sets
@@ -30,7 +30,9 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     ``backend="vllm"``: the target is not loaded here (only its ends, ``model.partial``, to read the drafter);
     vLLM decodes with the run's export and without it, greedily, in its own environment (``vllm_venv``, made on
     first use at ``$DRAFTHEADS_CACHE/vllm-venv``): :func:`~draftheads.evaluation.vllm_eval.evaluate_in_vllm`, no
-    peers. Raises ``ValueError`` for another backend."""
+    peers. Raises ``ValueError`` for another backend, and what :func:`~draftheads.jobs.runs.open_run` raises:
+    ``FileNotFoundError`` for a run that has not finished its save (``resume=true`` finishes it), ``ValueError``
+    for overrides choosing another target than the one its drafter was trained with."""
     if backend not in ("transformers", "vllm"):
         raise ValueError(f"backend={backend!r}: transformers (the target in process) or vllm")
     in_vllm = backend == "vllm"
@@ -68,7 +70,9 @@ def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
     python = ensure_vllm(vllm_venv)
     spec = run.recipe.vllm_config(run.folder, conf, run.trained)
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
-    return {name: evaluate_in_vllm(python, run.target_path, spec, [prompt_ids(run.tokenizer, p.text) for p in prompts],
+    tokenizer = run.tokenizer
+    return {name: evaluate_in_vllm(python, run.target_path, spec,
+                                   [prompt_ids(tokenizer, prompt_messages(tokenizer, p)) for p in prompts],
                                    conf.eval.max_new_tokens, stop, {"dtype": conf.model.dtype, **conf.vllm.engine()})
             for name, prompts in load_eval_sets(conf.eval).items()}
 

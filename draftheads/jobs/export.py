@@ -10,7 +10,9 @@ from draftheads.jobs.runs import open_run
 
 def export_run(run_dir: Path, overrides: list[str] = ()) -> dict[str, str]:
     """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter; returns
-    ``{format: folder}`` (empty for a drafter whose saved model is its export, like DFlash's)."""
+    ``{format: folder}`` (empty for a drafter whose saved model is its export, like DFlash's). Raises what
+    :func:`~draftheads.jobs.runs.open_run` raises: ``FileNotFoundError`` for a run that has not finished its save
+    (``resume=true`` finishes it), ``ValueError`` for overrides choosing another target than its drafter's."""
     run = open_run(run_dir, overrides)
     return run.recipe.export(Path(run_dir), run.target, run.trained)
 

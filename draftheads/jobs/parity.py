@@ -22,8 +22,8 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     ``serve`` also its OpenAI server). Prints the table, writes ``<run>/vllm_parity.json``; raises
     ``SystemExit(1)`` without parity. The vLLM environment is made on first use
     (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``)."""
+    run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)  # refused before vLLM is set up
     python = ensure_vllm(vllm_venv)
-    run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = run.recipe.chain(run.conf, run.trained, run.target)
     spec = run.recipe.vllm_config(run.folder, run.conf, run.trained)

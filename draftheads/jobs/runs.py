@@ -15,9 +15,9 @@ from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
-from draftheads.models.target import load_target, resolve_target_path
+from draftheads.models.target import Dtype, TargetSpec, load_target, model_identity, resolve_target_path
 from draftheads.training.config import apply_generation_defaults
-from draftheads.training.job import TARGET_FILE
+from draftheads.training.job import TARGET_FILE, target_record
 from draftheads.training.recipe import Recipe, Trained
 
 
@@ -48,14 +48,75 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
     """A finished run of any registered drafter: its config (with overrides), target and drafter, read by the
     drafter's strict loader from its save or from ``weights`` (an export folder, relative to the run or
     absolute); with ``partial`` the target's ends only (:mod:`draftheads.models.partial`: enough to read any
-    drafter, not to decode). Raises ``FileNotFoundError`` for a folder holding no finished run, ``ValueError``
-    for weights that do not fit the target."""
+    drafter, not to decode). A run evaluated on a target it trained (Medusa after stage 2) is evaluated on its
+    own, wherever the run lies; one evaluated on the base target gets the one it trained against
+    (:func:`check_trained_against`).
+
+    Raises ``FileNotFoundError`` for a folder holding no finished run (:func:`check_finished`: ``resume=true``
+    finishes it) or missing the target it trained; ``ValueError`` for overrides that choose another target
+    than the one it trained (:func:`check_own_target_kept`), a base target other than the one it trained
+    against, weights that do not fit the target."""
     folder = Path(run_dir)
     recipe = drafters.of_run(folder)
-    conf = run_config(folder, recipe, overrides)
-    target, tokenizer, path = load_target(replace(recipe.target_of(folder, conf), partial=partial), conf.cache_dir)
+    check_finished(folder, recipe)
+    trained_with, conf = run_config(folder, recipe).model, run_config(folder, recipe, overrides)
+    spec = recipe.target_of(folder, conf)
+    own = spec != conf.model  # the run names a target of its own, not the configured one
+    if own:
+        check_own_target_kept(folder, trained_with, conf.model, spec)
+    target, tokenizer, path = load_target(replace(spec, partial=partial), conf.cache_dir)
+    if not own:
+        check_trained_against(folder, target, conf.model, trained_with.dtype, path)
     apply_generation_defaults(conf, target.generation_config)
     return SavedRun(folder, recipe, conf, target, tokenizer, path, recipe.load(folder, conf, target, weights))
+
+
+def check_finished(folder: Path, recipe: Recipe) -> None:
+    """``FileNotFoundError`` unless ``folder``'s ``report.json`` lists the save among the steps the run
+    finished: a run killed before its save, or a new run started over an old one, holds no drafter of its own
+    config (whatever an older run left there); ``resume=true`` finishes it. A report without ``finished`` was
+    written by a version that wrote it after the save only."""
+    path = folder / "report.json"
+    finished = json.loads(path.read_text()).get("finished", ["save"]) if path.exists() else []
+    if "save" not in finished:
+        raise FileNotFoundError(f"{path}: the run has not finished its save (finished: {finished}), so no drafter "
+                                f"there is known to be its config's; resume=true finishes it: rerun "
+                                f"train/{recipe.name}.py as it was started, with resume=true")
+
+
+TARGET_KEYS = ("name_or_path", "revision", "tiny")
+"""The ``model`` keys that choose the target (``dtype`` only says how it is loaded)."""
+
+
+def check_own_target_kept(folder: Path, trained_with: TargetSpec, model: TargetSpec, own: TargetSpec) -> None:
+    """``ValueError`` naming the keys when overrides choose another target (``model`` against the run's
+    ``trained_with``) for a run evaluated on the target it trained, ``own``: they would measure its drafter on a
+    target it was not trained with."""
+    changed = [f"model.{key}" for key in TARGET_KEYS if getattr(model, key) != getattr(trained_with, key)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} overridden, but {folder} is evaluated on the target it trained, "
+                         f"{own.name_or_path}: another target would measure its drafter on weights it was not "
+                         f"trained with; drop the override")
+
+
+def check_trained_against(folder: Path, target, model: TargetSpec, trained_dtype: Dtype, path: str) -> None:
+    """``ValueError`` naming both when ``target`` (``model``, loaded from ``path``) is not the one the run
+    trained against (its ``target.json``): other sizes or, loaded in the dtype it trained in, other weights (the
+    weights sample hashes the values as loaded, so another dtype is compared by its sizes). Where it lies may
+    change (``model.name_or_path`` set to where it is now). A run without ``target.json`` (made by an older
+    version) is not checked."""
+    record_path = folder / TARGET_FILE
+    if not record_path.exists():
+        return
+    record = json.loads(record_path.read_text())
+    loaded = target_record(target, model_identity(target, model))
+    unchecked = {"name_or_path"} | (set() if model.dtype == trained_dtype else {"weights_sample_sha256"})
+    differ = {k: (v, loaded.get(k)) for k, v in record.items() if k not in unchecked and loaded.get(k) != v}
+    if differ:
+        raise ValueError(f"{record_path}: the run trained against {record.get('name_or_path')!r}, but "
+                         f"model.name_or_path={model.name_or_path!r} loads {path}, another target: (trained "
+                         f"against, loaded) differ in {differ}; set model.name_or_path to the target it trained "
+                         f"against")
 
 
 @dataclass
@@ -70,11 +131,11 @@ class PeerRun:
 
 
 def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target) -> tuple[list[PeerRun], list[str]]:
-    """The runs of ``eval.peer_runs`` that fit: finished, of a registered drafter, trained against the target
-    whose ``target.json`` record is ``record``. Each is verified by the target it is served with: ``host_target``
-    when that is the same folder as ``host_path`` (what this run is evaluated on), else its own, loaded. Returns
-    them and one note per run (measured, or why it was skipped: a peer that does not fit is never a failure).
-    Loading draws nothing from the global RNG."""
+    """The runs of ``eval.peer_runs`` that fit: finished (their save at least: :func:`check_finished`), of a
+    registered drafter, trained against the target whose ``target.json`` record is ``record``. Each is verified
+    by the target it is served with: ``host_target`` when that is the same folder as ``host_path`` (what this
+    run is evaluated on), else its own, loaded. Returns them and one note per run (measured, or why it was
+    skipped: a peer that does not fit is never a failure). Loading draws nothing from the global RNG."""
     peers, notes = [], []
     with torch.random.fork_rng(devices=[]):
         for name in folders:
@@ -90,6 +151,7 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
                     raise ValueError(f"made for another target: (peer, this run) differ in "
                                      f"{ {k: (theirs.get(k), v) for k, v in record.items() if theirs.get(k) != v} }")
                 recipe = drafters.of_run(folder)
+                check_finished(folder, recipe)
                 conf = run_config(folder, recipe)
                 spec = recipe.target_of(folder, conf)
                 path = resolve_target_path(spec, conf.cache_dir)

@@ -69,13 +69,17 @@ class Recipe(Protocol):
 
     def save(self, job, trained: Trained) -> dict:
         """The model-only save in the run directory (with ``trained.saved``); returns report fields (an
-        ``exports`` entry when the save is itself a server format)."""
+        ``exports`` entry when the save is itself a server format). What it names inside the run is named
+        relative to the run (a moved or copied run reads its own); what lies outside, as the user named it."""
 
     def export(self, run_dir: Path, target, trained: Trained) -> dict[str, str]:
         """Server formats under ``<run_dir>/export`` beyond what ``save`` wrote; returns ``{format: folder}``."""
 
     def target_of(self, run_dir: Path, conf) -> TargetSpec:
-        """The target a finished run is evaluated on (Medusa after stage 2: the modified target it exported)."""
+        """The target a finished run is evaluated on: ``conf.model``, or one the run trained (Medusa after stage
+        2: the modified target it saved in ``export/target``), read from the run wherever it lies.
+        ``FileNotFoundError`` naming the folder when a target the run trained is missing (never ``conf.model``
+        instead)."""
 
     def load(self, run_dir: Path, conf, target, weights: str | None = None) -> Trained:
         """A finished run's drafter read back strictly, from its own save or from ``weights`` (an export folder

@@ -193,7 +193,9 @@ def export_tgi_medusa(heads: MedusaHeads, lm_head_weight: torch.Tensor, folder, 
         lm_head_weight: the target's LM head weight ``[V, D]``; with shared heads, written as every
             ``{i}.{L}.weight`` (TGI requires it); otherwise only its shape is checked.
         folder: created if needed.
-        base_model_name_or_path: the target TGI serves with these heads (hub id or path).
+        base_model_name_or_path: the target TGI serves with these heads: a hub id or a path. TGI reads a
+            relative path from the server's working directory, not from this folder: whoever serves a relative
+            one (``../target``, the stage-2 target beside a run's ``export/tgi``) sets it to where the target lies.
     Returns:
         ``folder``: ``config.json`` (no ``architectures``), ``medusa_lm_head.safetensors`` (``{i}.{j}.linear.weight``
         [D, D], ``.bias`` [D], ``{i}.{L}.weight`` [V, D]).
@@ -276,7 +278,17 @@ def load_heads(folder) -> tuple[MedusaHeads, dict]:
     weights = folder / HEADS_WEIGHTS
     K, L, D, V = (config[k] for k in ("num_heads", "num_layers", "hidden_size", "vocab_size"))
     heads = _load_heads(_read_tensors(weights), weights, K, L, D, V, _heads_layout(config["per_head_lm_head"]))
-    return heads, {k: v for k, v in config.items() if k not in _HEADS_FIELDS}
+    return heads, _extra(config)
+
+
+def saved_fields(folder) -> dict:
+    """The fields a :func:`save_heads` folder stores beside the sizes (``extra_config``), without reading its
+    weights. Raises ``ValueError`` naming the file and key for a missing or mistyped size field."""
+    return _extra(_read_config(Path(folder) / HEADS_CONFIG, _HEADS_FIELDS))
+
+
+def _extra(config: dict) -> dict:
+    return {k: v for k, v in config.items() if k not in _HEADS_FIELDS}
 
 
 def load_any_heads(folder, vocab_size: int | None = None) -> MedusaHeads:

@@ -5,12 +5,13 @@ decoding methods: the heads as a chain (``medusa_chain``, what vLLM serves) and 
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.medusa.config import MedusaRunConfig
-from draftheads.drafters.medusa.export import (export_tgi_medusa, export_vllm_medusa, load_any_heads, load_heads,
-                                               save_heads)
+from draftheads.drafters.medusa.export import (HEADS_CONFIG, export_tgi_medusa, export_vllm_medusa, load_any_heads,
+                                               load_heads, save_heads, saved_fields)
 from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
 from draftheads.drafters.medusa.training import (MedusaStage1, MedusaStage2, check_unfreeze, split_states,
                                                   stage2_layers)
@@ -21,6 +22,10 @@ from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
 from draftheads.training.recipe import Trained
 from draftheads.training.spine import fit
+
+TRAINED_TARGET = "export/target"
+"""Where a run with stage 2 saves the target it trained (relative to the run): its heads are served with it."""
+TGI_EXPORT = "export/tgi"
 
 
 class Medusa:
@@ -96,31 +101,49 @@ class Medusa:
     def save(self, job, trained: Trained) -> dict:
         """``medusa_heads/`` (with the target's identity, rank accuracies and base model); after stage 2 the
         modified target itself in ``export/target`` (it is served with its heads; a partial target's checkpoint
-        is rewritten file by file with the trained layers)."""
-        base_model = job.target_path
-        if job.conf.stage2.enabled:
-            base_model = str((job.out / "export" / "target").resolve())
+        is rewritten file by file with the trained layers). The base model is named as :meth:`target_of` reads
+        it: after stage 2 ``export/target``, relative to the run (a moved or copied run is served with its own);
+        else the target as the user named it (``model.name_or_path``, never the cache folder it was converted
+        to), whose fingerprint is the run's ``target.json``."""
+        in_run = job.conf.stage2.enabled
+        if in_run:
+            folder = str(job.out / TRAINED_TARGET)
             if is_partial(job.target):
-                save_partial(job.target, base_model)
+                save_partial(job.target, folder)
             else:
-                job.target.save_pretrained(base_model)
-            job.tokenizer.save_pretrained(base_model)
-        trained.saved |= {"target": job.identity, "base_model": base_model}
+                job.target.save_pretrained(folder)
+            job.tokenizer.save_pretrained(folder)
+        base = {"base_model": TRAINED_TARGET if in_run else job.conf.model.name_or_path, "base_model_in_run": in_run}
+        trained.saved |= {"target": job.identity, **base}
         save_heads(trained.model, job.out / "medusa_heads", trained.saved)
-        return {"base_model": base_model, "head_rank_accuracy": trained.saved["head_rank_accuracy"]}
+        return {**base, "head_rank_accuracy": trained.saved["head_rank_accuracy"]}
 
     def export(self, run_dir: Path, target, trained: Trained) -> dict[str, str]:
-        """``export/vllm`` and ``export/tgi`` for the run's base model."""
+        """``export/vllm`` and ``export/tgi`` for the run's base model. They name no path of the machine that
+        made them: TGI's ``base_model_name_or_path`` is the base model as the user named it, or after stage 2
+        ``../target``, the run's ``export/target`` relative to ``export/tgi`` (TGI reads a relative path from its
+        working directory: whoever serves it sets it to where that target lies; see
+        :func:`~draftheads.drafters.medusa.export.export_tgi_medusa`). Heads saved by earlier versions keep the
+        absolute path they name."""
         lm_head = target.get_output_embeddings().weight
-        exports = Path(run_dir) / "export"
-        return {"vllm": str(export_vllm_medusa(trained.model, lm_head, exports / "vllm")),
-                "tgi": str(export_tgi_medusa(trained.model, lm_head, exports / "tgi", trained.saved["base_model"]))}
+        vllm = export_vllm_medusa(trained.model, lm_head, Path(run_dir) / self.vllm_weights)
+        tgi = export_tgi_medusa(trained.model, lm_head, Path(run_dir) / TGI_EXPORT, _served_base(trained.saved))
+        return {"vllm": str(vllm), "tgi": str(tgi)}
 
     def target_of(self, run_dir: Path, conf: MedusaRunConfig) -> TargetSpec:
-        base = Path(load_heads(Path(run_dir) / "medusa_heads")[1]["base_model"])
-        if base.is_dir() and (base / "config.json").exists():
-            return TargetSpec(name_or_path=str(base), dtype=conf.model.dtype)
-        return conf.model
+        """After stage 2 the target the run trained, which its heads are served with (``export/target`` in the
+        run); else ``conf.model``. Raises ``FileNotFoundError`` naming the folder when the run trained a stage-2
+        target that is not there: never the base target instead."""
+        folder = _trained_target(Path(run_dir), saved_fields(Path(run_dir) / "medusa_heads"), conf)
+        if folder is None:
+            return conf.model
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"{folder}: the stage-2 target the heads of {run_dir} were trained with is "
+                                    f"missing (base_model in medusa_heads/{HEADS_CONFIG}): move or copy a run whole, "
+                                    f"{TRAINED_TARGET} included; heads saved by earlier versions name it by an "
+                                    f"absolute path: set base_model to \"{TRAINED_TARGET}\" and base_model_in_run "
+                                    f"to true to read the run's own")
+        return TargetSpec(name_or_path=str(folder), dtype=conf.model.dtype)
 
     def load(self, run_dir: Path, conf, target, weights: str | None = None) -> Trained:
         """The run's ``medusa_heads`` (or the heads of ``weights``: ``export/vllm``, ``export/tgi``, read by
@@ -154,6 +177,23 @@ class Medusa:
     def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
         return {"method": "medusa", "model": str((Path(run_dir) / self.vllm_weights).resolve()),
                 "num_speculative_tokens": trained.model.num_heads}
+
+
+def _trained_target(run_dir: Path, saved: dict, conf: MedusaRunConfig) -> Path | None:
+    """The folder of the stage-2 target the heads were saved with (``saved``: their ``medusa_heads.json`` fields),
+    or None when they are served with the base target. Heads saved before runs named it relative to themselves
+    name it by an absolute path, read as such."""
+    if "base_model_in_run" in saved:
+        return (run_dir / saved["base_model"]).resolve() if saved["base_model_in_run"] else None
+    return Path(saved["base_model"]) if conf.stage2.enabled else None
+
+
+def _served_base(saved: dict) -> str:
+    """TGI's ``base_model_name_or_path`` for heads saved with ``saved``: their base model, one in the run relative
+    to ``export/tgi`` (``../target``)."""
+    if saved.get("base_model_in_run"):
+        return posixpath.relpath(saved["base_model"], TGI_EXPORT)
+    return saved["base_model"]
 
 
 def medusa_tree(tree_cfg, num_heads: int, rank_accuracy: list[list[float]] | None) -> Tree:
