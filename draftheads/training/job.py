@@ -26,7 +26,7 @@ from draftheads.models.target import load_target, model_identity, weights_sample
 from draftheads.training.checkpoint import latest_checkpoint
 from draftheads.training.config import HiddenStates, RunConfig, apply_generation_defaults, to_schema
 from draftheads.training.recipe import Recipe
-from draftheads.training.runtime import make_accelerator, print0
+from draftheads.training.runtime import make_accelerator, print0, start_tracker
 
 
 @dataclass
@@ -72,12 +72,13 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     if conf.model.partial and recipe is not None:
         check_partial(conf, recipe)
     out = Path(conf.output_dir)
-    claim_job_dir(conf, recipe, delete=False)  # refused before the tracker starts a run there
-    accelerator = make_accelerator(cfg, run_name=out.name)
+    claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
+    accelerator = make_accelerator(cfg)
     if accelerator.is_main_process:
         check_writable(out)
         claim_job_dir(conf, recipe, delete=True)
     accelerator.wait_for_everyone()
+    start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's tracker files are gone
     eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
@@ -128,14 +129,9 @@ def decoding_line(conf, target, tokenizer) -> str:
 
 
 RUN_ENTRIES = ("config.yaml", TARGET_FILE, "report.json", "report.json.tmp", "checkpoints", "export", "medusa_heads",
-               "acceptance.png", "vllm_parity.json", "hidden_states")
-"""What a run, its state cache build and the jobs reading it back write in its output_dir (a drafter's own save:
-``export/``, ``medusa_heads/``): an overwriting run deletes these and nothing else."""
-
-TRACKER_ENTRIES = ("logs", "wandb", "wandb_run_id")
-"""The tracker's files in output_dir, left as they are by an overwriting run: the tracker opens them as the
-accelerator starts, before the main process (which deletes) is known; so the new run's TensorBoard events lie
-beside the old ones, and W&B continues the old run's id."""
+               "acceptance.png", "vllm_parity.json", "hidden_states", "logs", "wandb", "wandb_run_id")
+"""What a run, its state cache build, its tracker and the jobs reading it back write in its output_dir (a
+drafter's own save: ``export/``, ``medusa_heads/``): an overwriting run deletes these and nothing else."""
 
 PROBE = ".write-probe-"
 """Name prefix of :func:`check_writable`'s probe file (one left by a killed job is a run's too)."""
@@ -190,9 +186,9 @@ def _nothing_finished(report: Path) -> bool:
 
 
 def _old_run(out: Path, keep: Path | None) -> list[Path]:
-    """The entries of ``out`` an overwriting run deletes: all but the tracker's and the one holding ``keep``.
+    """The entries of ``out`` an overwriting run deletes: all but the one holding ``keep``.
     Raises ``FileExistsError`` naming those no run writes, before anything is deleted."""
-    old = [p for p in out.iterdir() if p.name not in TRACKER_ENTRIES and not (keep is not None and _holds(p, keep))]
+    old = [p for p in out.iterdir() if not (keep is not None and _holds(p, keep))]
     foreign = sorted(p.name for p in old if p.name not in RUN_ENTRIES and not p.name.startswith(PROBE))
     if foreign:
         raise FileExistsError(f"output_dir={out} holds a training run and files no run writes ({', '.join(foreign)}): "

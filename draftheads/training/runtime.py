@@ -20,12 +20,9 @@ from draftheads.training.sharding import check_engine, keep_models_whole
 TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
 
 
-def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
-    """An Accelerator with the configured tracker started on the main process.
-
-    W&B runs offline unless an API key is set (``WANDB_API_KEY`` or ``wandb login``), so a run never
-    blocks on a network. A resumed run reuses its W&B run id (stored in ``output_dir/wandb_run_id``).
-    """
+def make_accelerator(cfg: DictConfig) -> Accelerator:
+    """An Accelerator for the configured tracker, seeded; the tracker is started by :func:`start_tracker`, once
+    the run's folder is claimed (its files are the run's)."""
     log_with = TRACKERS[str(cfg.tracker.name)]
     # Rank 0 works alone while the others wait at a barrier (regenerating an uncached dataset, the final
     # validation, export and evaluation): the collective timeout must outlast that, not torch's default.
@@ -48,8 +45,18 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     check_engine(accelerator)
     keep_models_whole(accelerator)
     set_seed(cfg.trainer.seed)
+    return accelerator
+
+
+def start_tracker(accelerator: Accelerator, cfg: DictConfig, run_name: str) -> None:
+    """Start the configured tracker on the main process (nothing for ``tracker.name=none``).
+
+    W&B runs offline unless an API key is set (``WANDB_API_KEY`` or ``wandb login``), so a run never
+    blocks on a network. A resumed run reuses its W&B run id (stored in ``output_dir/wandb_run_id``).
+    """
+    log_with = TRACKERS[str(cfg.tracker.name)]
     if log_with is None:
-        return accelerator
+        return
     init_kwargs = {}
     if log_with == "wandb" and accelerator.is_main_process:
         if not os.environ.get("WANDB_API_KEY") and not _wandb_logged_in():
@@ -60,7 +67,6 @@ def make_accelerator(cfg: DictConfig, run_name: str) -> Accelerator:
     if log_with == "tensorboard":  # its hparams take flat scalars only
         config = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in _flatten(config).items()}
     accelerator.init_trackers(cfg.tracker.project, config=config, init_kwargs=init_kwargs)
-    return accelerator
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -14,10 +14,11 @@ FINISHED = {"drafter": "medusa", "finished": ["training", "validation", "save"]}
 
 
 def old_run(out, report: dict = FINISHED):
-    """``out`` holding what a finished Medusa run leaves (and its state cache): each file says "old"."""
+    """``out`` holding what a finished Medusa run leaves (its state cache and tracker files too): each file says
+    "old"."""
     for name in ("checkpoints/stage1-step000005/meta.json", "medusa_heads/medusa_heads.json",
                  "export/vllm/config.json", "export/dflash/config.json", "hidden_states/manifest.json",
-                 "config.yaml", "target.json", "acceptance.png"):
+                 "config.yaml", "target.json", "acceptance.png", "logs/events.out.tfevents.1", "wandb_run_id"):
         (out / name).parent.mkdir(parents=True, exist_ok=True)
         (out / name).write_text("old")
     (out / "report.json").write_text(json.dumps(report))

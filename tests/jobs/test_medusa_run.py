@@ -180,11 +180,16 @@ def test_two_process_ddp_run_on_packed_batches(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
 def test_trackers_record_the_run(tmp_path, cache_dir, monkeypatch, tracker):
+    """Each tracker records the run's curves and evaluation; an overwriting run's tracker starts afresh (a new
+    W&B run, no old TensorBoard events beside its own)."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / tracker
-    run(smoke_cfg(out, cache_dir, f"tracker={tracker}", "stage2.enabled=false", "export=false",
-                  "eval.max_new_tokens=4", "tree.enabled=false", "eval.prompt_lookup_tokens=0",
-                  "eval.sets=[{name: c, source: chitchat, num_prompts: 1}]"))
+    short = [f"tracker={tracker}", "stage2.enabled=false", "export=false", "eval.max_new_tokens=4", "tree.enabled=false",
+             "eval.prompt_lookup_tokens=0", "eval.sets=[{name: c, source: chitchat, num_prompts: 1}]"]
+    run(smoke_cfg(out, cache_dir, *short, "stage1.max_steps=2"))
+    old = set(out.rglob("offline-run-*/*.wandb" if tracker == "wandb" else "events.out.tfevents.*"))
+    run(smoke_cfg(out, cache_dir, *short, "overwrite=true"))
+    assert old and not any(p.exists() for p in old)
     if tracker == "wandb":
         run_id = (out / "wandb_run_id").read_text().strip()
         logs = list((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
