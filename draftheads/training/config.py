@@ -322,8 +322,10 @@ class RunConfig:
     resume: bool = False
     """Continue from the latest checkpoint in output_dir."""
     overwrite: bool = False
-    """Start afresh in an output_dir that holds a run (its checkpoints and report are deleted first; its saved
-    drafter and exports are replaced at the end); without it such an output_dir is refused unless resuming."""
+    """Start afresh in an output_dir that holds a training run: the old run's files (``RUN_ENTRIES`` in
+    draftheads/training/job.py: checkpoints, report, saved drafter, exports, tracker files) are deleted first, all
+    but the state cache this job reads (``data.hidden_states=offline``); a folder that also holds files no run
+    writes is refused. Without it such an output_dir is refused unless resuming."""
     export: bool = True
     """Write the drafter's server formats under output_dir/export at the end (a drafter whose export is also
     its saved model, like DFlash's export/dflash, writes it either way)."""
