@@ -10,7 +10,8 @@ One import namespace, layered from the bottom up (``tests/test_architecture.py``
   sharding engines, typed configs, opening a job and its rows. ``draftheads.evaluation``: the speculative
   evaluator, its report, and the vLLM side of parity.
 - ``draftheads.drafters``: one folder per drafter (module, training strategies, validation, exports, peers,
-  what it saves) behind the :class:`~draftheads.training.recipe.Recipe` protocol, and the registry.
+  what it saves) behind a :class:`~draftheads.training.recipe.Recipe` (a base with defaults;
+  :class:`~draftheads.training.recipe.FeatureRecipe` for drafters on target layers), and the registry.
 - ``draftheads.jobs``: what the entry scripts run (train, evaluate, export, cache states, parity,
   regenerate), asking the registry which drafter a run is.
 

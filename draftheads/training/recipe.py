@@ -1,4 +1,5 @@
-"""What one drafter contributes to draftheads: the :class:`Recipe` protocol, and what training hands on.
+"""What one drafter contributes to draftheads: a :class:`Recipe` (:class:`FeatureRecipe` for drafters on target
+layers), and what training hands on.
 
 Opening a job, the rows and target states, the training spine, the end of a run (validate, save, export,
 evaluate, report), peer runs, the evaluator and the state cache are the same for every drafter; a recipe says
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable
 
 from torch import nn
 
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
+from draftheads.training.config import Features
+from draftheads.training.held_out import held_out_metrics
+from draftheads.training.runtime import print0
+from draftheads.training.spine import fit
 
 Decode = Callable
 """``decode(prompt_ids [T] int64, generator) -> DecodeResult``: one method the evaluator measures."""
@@ -35,9 +40,11 @@ class Trained:
     """The last optimizer step on the tracker's axis (stages follow each other)."""
 
 
-class Recipe(Protocol):
-    """One drafter. ``job`` arguments are :class:`draftheads.training.job.Job`; ``conf`` is the drafter's
-    ``schema`` instance."""
+class Recipe:
+    """One drafter: what it does differently from every other. ``job`` arguments are
+    :class:`draftheads.training.job.Job`; ``conf`` is the drafter's ``schema`` instance. The defaults here are
+    what most drafters do; a recipe overrides what is its own (:class:`FeatureRecipe` for drafters on target
+    layers)."""
     name: str
     """Registry name, recorded as ``drafter`` in every run's config."""
     schema: type
@@ -48,50 +55,170 @@ class Recipe(Protocol):
     """The export folder (relative to the run) that vLLM loads, read back for parity."""
 
     def check(self, conf, target) -> None:
-        """Refuse settings that would fail later, before the data is built (``ValueError``)."""
+        """Refuse settings that would fail later, before the data is built (``ValueError``). Default: none."""
 
     def state_layers(self, conf, target) -> tuple[int, ...] | None:
-        """Target layers whose outputs training reads (layer id i = output of decoder layer i); None: the last
-        hidden state."""
+        """Target layers whose outputs training reads (layer id i = output of decoder layer i); None (default):
+        the last hidden state."""
+        return None
 
     def unusable(self, row: dict) -> str | None:
-        """Why this drafter cannot train on ``row`` (it is then skipped and counted before training), or None."""
+        """Why this drafter cannot train on ``row`` (it is then skipped and counted before training), or None
+        (default: every row)."""
+        return None
 
     def attach_states(self, conf) -> bool:
-        """Whether rows carry those states before training (False: the strategy runs the target per batch)."""
+        """Whether rows carry those states before training (default; False: the strategy runs the target per
+        batch)."""
+        return True
 
     def train(self, job, rows: list[dict]) -> Trained:
         """Every stage on ``rows`` (this process's share is taken by the spine), resuming from ``job.resume``;
         returns the plain trained drafter on every rank."""
+        raise NotImplementedError
 
     def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
         """Held-out metrics (main process); may add to ``trained.saved`` what evaluation needs."""
+        raise NotImplementedError
 
     def save(self, job, trained: Trained) -> dict:
         """The model-only save in the run directory (with ``trained.saved``); returns report fields (an
         ``exports`` entry when the save is itself a server format). What it names inside the run is named
         relative to the run (a moved or copied run reads its own); what lies outside, as the user named it."""
+        raise NotImplementedError
 
     def export(self, run_dir: Path, target, trained: Trained) -> dict[str, str]:
-        """Server formats under ``<run_dir>/export`` beyond what ``save`` wrote; returns ``{format: folder}``."""
+        """Server formats under ``<run_dir>/export`` beyond what ``save`` wrote; returns ``{format: folder}``
+        (default: none, the save being the export)."""
+        return {}
 
     def target_of(self, run_dir: Path, conf) -> TargetSpec:
-        """The target a finished run is evaluated on: ``conf.model``, or one the run trained (Medusa after stage
-        2: the modified target it saved in ``export/target``), read from the run wherever it lies.
+        """The target a finished run is evaluated on: ``conf.model`` (default), or one the run trained (Medusa
+        after stage 2: the modified target it saved in ``export/target``), read from the run wherever it lies.
         ``FileNotFoundError`` naming the folder when a target the run trained is missing (never ``conf.model``
         instead)."""
+        return conf.model
 
     def load(self, run_dir: Path, conf, target, weights: str | None = None) -> Trained:
         """A finished run's drafter read back strictly, from its own save or from ``weights`` (an export folder
         relative to the run, or absolute). ``FileNotFoundError`` for an unfinished run, ``ValueError`` for one
         made for another target."""
+        raise NotImplementedError
 
     def chain(self, conf, trained: Trained, target) -> ChainDrafter:
         """The drafter as the evaluator and servers run it: a chain of ``gamma`` drafts per verification."""
+        raise NotImplementedError
 
     def peers(self, conf, trained: Trained, target, tokenizer, sampling: Sampling) -> dict[str, Decode]:
-        """The drafter's other decoding methods at ``sampling`` (Medusa's tree, DFlash's denoising)."""
+        """The drafter's other decoding methods at ``sampling`` (Medusa's tree, DFlash's denoising); default
+        none."""
+        return {}
+
+    def draft_length(self, conf, trained: Trained) -> int:
+        """Tokens drafted per verification step as a server runs the export (vLLM's
+        ``num_speculative_tokens``)."""
+        raise NotImplementedError
 
     def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
-        """vLLM's ``speculative_config`` for the export at ``vllm_weights``, decoding as ``conf`` says (the
-        draft length of a drafter that decodes autoregressively, EAGLE-3's ``gamma``)."""
+        """vLLM's ``speculative_config`` for the export at ``vllm_weights``: ``method`` is the registry name,
+        ``num_speculative_tokens`` the :meth:`draft_length`."""
+        return {"method": self.name, "model": str((Path(run_dir) / self.vllm_weights).resolve()),
+                "num_speculative_tokens": self.draft_length(conf, trained)}
+
+
+class FeatureRecipe(Recipe):
+    """A drafter trained on the outputs of chosen target layers (DFlash, EAGLE-3): its settings are the config
+    section named after it (``target_layer_ids``, ``features``), it trains in one stage of its name, its export
+    (``export/<name>``, what the servers load) is its saved model, and its held-out metrics are its training
+    module's, teacher-forced. A subclass says what is its own: the settings it checks, the default layers, how
+    the drafter is built, trained, written and read."""
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    @property
+    def vllm_weights(self) -> str:
+        return f"export/{self.name}"
+
+    def settings(self, conf):
+        """This drafter's config section (``conf.<name>``)."""
+        return getattr(conf, self.name)
+
+    def default_layers(self, conf, target) -> list[int]:
+        """Layer ids read when ``<name>.target_layer_ids`` is not set."""
+        raise NotImplementedError
+
+    def check_settings(self, conf, target) -> None:
+        """Refuse this drafter's own settings that would fail later (``ValueError``); default none."""
+
+    def build(self, conf, target, tokenizer, rows: list[dict]) -> nn.Module:
+        """A fresh drafter for ``target``, sized from ``conf`` (and ``rows``, for what it learns from the data)."""
+        raise NotImplementedError
+
+    def describe(self, conf, drafter: nn.Module) -> str:
+        """One line saying what was built, printed before training."""
+        raise NotImplementedError
+
+    def training(self, conf, drafter: nn.Module, target, online: bool):
+        """The training strategy (:class:`~draftheads.training.spine.Strategy`) whose ``module.drafter`` is
+        ``drafter``; ``online``: it computes the target's features per batch."""
+        raise NotImplementedError
+
+    def write_export(self, drafter: nn.Module, folder: Path) -> Path:
+        """Write ``drafter`` as the servers load it into ``folder``; returns it."""
+        raise NotImplementedError
+
+    def read_export(self, folder: Path, target) -> nn.Module:
+        """The drafter in ``folder``, read back strictly for ``target``."""
+        raise NotImplementedError
+
+    def drafter_config(self, conf, drafter: nn.Module) -> dict:
+        """What the report records of the trained drafter's shape."""
+        raise NotImplementedError
+
+    def check(self, conf, target) -> None:
+        """The layer ids exist in the target, then :meth:`check_settings`."""
+        n = target.config.num_hidden_layers
+        bad = [i for i in self.state_layers(conf, target) if not 0 <= i < n]
+        if bad:
+            raise ValueError(f"{self.name}.target_layer_ids: {bad} are outside 0..{n - 1} (the target's decoder layers)")
+        self.check_settings(conf, target)
+
+    def state_layers(self, conf, target) -> tuple[int, ...]:
+        """``<name>.target_layer_ids``, else :meth:`default_layers`."""
+        return tuple(self.settings(conf).target_layer_ids or self.default_layers(conf, target))
+
+    def attach_states(self, conf) -> bool:
+        return self.settings(conf).features == Features.precomputed
+
+    def train(self, job, rows: list[dict]) -> Trained:
+        conf, target = job.conf, job.target
+        drafter = self.build(conf, target, job.tokenizer, rows)
+        print0(job.accelerator, f"drafter: {self.describe(conf, drafter)}")
+        strategy = self.training(conf, drafter, target, online=not self.attach_states(conf))
+        state = fit(job.accelerator, strategy, rows, conf.trainer, conf.train, str(job.out),
+                    job.tokenizer.pad_token_id, {"model": job.identity, "step_offset": 0},
+                    resume_from=str(job.resume[0]) if job.resume else None)
+        # the trained drafter (a plain copy after FSDP/DeepSpeed), in the target's dtype as a server runs it
+        return Trained(strategy.module.drafter.to(target.dtype).eval(), curves={self.name: state.history},
+                       step=state.step)
+
+    def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
+        """The training module's metrics on the held-out rows, teacher-forced (``<name>_loss``, per position)."""
+        module = self.training(job.conf, trained.model, job.target, online=False).module
+        return held_out_metrics(module, rows, job.conf.trainer.hidden_states_batch_size, job.tokenizer.pad_token_id,
+                                f"{self.name}_loss", job.conf.trainer.seed)
+
+    def save(self, job, trained: Trained) -> dict:
+        """``export/<name>`` (what the servers load) is the run's saved model, reloaded strictly by evaluation:
+        always written."""
+        path = self.write_export(trained.model, job.out / self.vllm_weights)
+        return {"exports": {self.name: str(path)}, "drafter_config": self.drafter_config(job.conf, trained.model)}
+
+    def load(self, run_dir: Path, conf, target, weights: str | None = None) -> Trained:
+        folder = Path(run_dir) / (weights or self.vllm_weights)
+        if not (folder / "config.json").exists():
+            raise FileNotFoundError(f"{folder} holds no {self.name} export (a finished {self.name} run writes "
+                                    f"{self.vllm_weights})")
+        return Trained(self.read_export(folder, target).to(target.dtype))

@@ -20,7 +20,7 @@ from draftheads.models.partial import hold_layers, is_partial, save_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
-from draftheads.training.recipe import Trained
+from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.spine import fit
 
 TRAINED_TARGET = "export/target"
@@ -28,7 +28,7 @@ TRAINED_TARGET = "export/target"
 TGI_EXPORT = "export/tgi"
 
 
-class Medusa:
+class Medusa(Recipe):
     """The Medusa recipe (see :class:`draftheads.training.recipe.Recipe`)."""
     name = "medusa"
     schema = MedusaRunConfig
@@ -45,12 +45,6 @@ class Medusa:
         if not conf.stage2.enabled:
             return None
         return stage2_layers(target.config.num_hidden_layers, conf.stage2.unfreeze_last_n_layers)
-
-    def unusable(self, row: dict) -> None:
-        return None  # every trainable token is the base LM head's label, and heads read the states before it
-
-    def attach_states(self, conf) -> bool:
-        return True
 
     def train(self, job, rows: list[dict]) -> Trained:
         """Stage 1 (heads on the frozen target's cached states), then stage 2 (heads and the last N layers,
@@ -174,9 +168,9 @@ class Medusa:
         return {"medusa_tree_typical" if typical else "medusa_tree":
                 lambda ids, gen: tree_decode(target, drafter, tree, ids, n, stop, typical)}
 
-    def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
-        return {"method": "medusa", "model": str((Path(run_dir) / self.vllm_weights).resolve()),
-                "num_speculative_tokens": trained.model.num_heads}
+    def draft_length(self, conf, trained: Trained) -> int:
+        """One draft per head."""
+        return trained.model.num_heads
 
 
 def _trained_target(run_dir: Path, saved: dict, conf: MedusaRunConfig) -> Path | None:
