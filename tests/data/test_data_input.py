@@ -286,6 +286,7 @@ def test_chat_template_option_takes_jinja_text_or_a_file(tmp_path, cache_dir):
         load_tokenizer(TargetSpec(name_or_path=TINY, chat_template="/no/such/template"), cache_dir)
 
 
+@pytest.mark.slow
 def test_two_ranks_share_the_regeneration_and_match_one_process(tmp_path):
     """accelerate launch with 2 processes: each rank answers its share, rank 0 merges; the cached answers
     equal those of a 1-process run with its own cache (greedy, so the same)."""

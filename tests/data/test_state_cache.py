@@ -14,7 +14,9 @@ from safetensors.torch import load_file, save_file
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.state_cache import (CacheSpec, cache_spec, forward_states, read_cache, write_cache,
                                          write_manifest)
+from draftheads.drafters import DRAFTERS
 from draftheads.jobs.cache import cache_states
+from draftheads.jobs.train import train
 from draftheads.models.target import record_layer_outputs, torch_dtype
 from tests.helpers import ROOT, SMOKE_STAGES, VLLM_TINY, VLLM_VENV, run_dflash, run_eagle3, run_medusa, smoke
 
@@ -113,6 +115,7 @@ def short(job, out, cache_dir, *overrides):
     return smoke(job, out, cache_dir, *extra, "eval.enabled=false", *overrides)
 
 
+@pytest.mark.slow
 def test_training_on_the_offline_cache_follows_the_in_memory_curve(tmp_path, cache_dir):
     hs = tmp_path / "hs"
     folder = cache_states(short("medusa", tmp_path / "a", cache_dir, f"data.hidden_states_dir={hs}",
@@ -132,6 +135,7 @@ def test_training_on_the_offline_cache_follows_the_in_memory_curve(tmp_path, cac
                            f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", "eval.peer_runs=[]"))
 
 
+@pytest.mark.slow
 def test_eagle3_trains_on_its_three_layer_cache_as_in_memory(tmp_path, cache_dir):
     """``train/cache_hidden_states.py --config-name eagle3`` caches the drafter's three layers; training on that
     cache follows the in-memory curve."""
@@ -146,6 +150,7 @@ def test_eagle3_trains_on_its_three_layer_cache_as_in_memory(tmp_path, cache_dir
     assert [x["eagle3/loss"] for x in a] == pytest.approx([x["eagle3/loss"] for x in b], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):
     """accelerate launch with 2 processes: each writes its shards; the cache equals a 1-process build."""
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
@@ -203,13 +208,23 @@ def test_vllm_layer_ids_are_ours_plus_one_and_the_last_state_is_normed_here(tiny
         states(rows)
 
 
+VLLM_CACHE_OWN = {"medusa": [], "dflash": [], "eagle3": ["eagle3.ttt_steps=2"]}
+"""Each drafter's own overrides for the vLLM-made cache test (every registered drafter has an entry)."""
+
+
+def test_every_registered_drafter_is_in_the_vllm_cache_test():
+    assert VLLM_CACHE_OWN.keys() == DRAFTERS.keys()
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
-@pytest.mark.parametrize("job", ["medusa", "dflash"])
+@pytest.mark.parametrize("job", sorted(DRAFTERS))
 def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_dir):
     """target_backend=vllm: vLLM's states (its layer ids mapped to ours, the last state normed here) equal the
     in-process target's within float32 noise, in a cache training accepts; a run on the partial target trained
     from it follows the run trained from the in-process cache."""
-    own = [*VLLM_TINY, "data.hidden_states_dtype=float32", "data.cache_shard_rows=16", "eval.peer_runs=[]"]
+    own = [*VLLM_TINY, "data.hidden_states_dtype=float32", "data.cache_shard_rows=16", "eval.peer_runs=[]",
+           *VLLM_CACHE_OWN[job]]
     ours, theirs = tmp_path / "hs-transformers", tmp_path / "hs-vllm"
     cache_states(short(job, tmp_path / "a", cache_dir, *own, f"data.hidden_states_dir={ours}"))
     cache_states(short(job, tmp_path / "b", cache_dir, *own, f"data.hidden_states_dir={theirs}", "target_backend=vllm",
@@ -222,9 +237,9 @@ def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_d
         assert x.keys() == y.keys()
         worst = max(worst, *((x[k] - y[k]).abs().max().item() / x[k].abs().max().item() for k in x))
     assert worst < 1e-3, worst
-    run = {"medusa": run_medusa, "dflash": run_dflash}[job]
-    trained = [run(short(job, tmp_path / name, cache_dir, *own, "data.hidden_states=offline", f"data.hidden_states_dir={hs}",
-                         "model.partial=true")) for name, hs in (("c", ours), ("d", theirs))]
+    trained = [train(job, short(job, tmp_path / name, cache_dir, *own, "data.hidden_states=offline",
+                                f"data.hidden_states_dir={hs}", "model.partial=true"))
+               for name, hs in (("c", ours), ("d", theirs))]
     first, second = ([p[k] for p in next(iter(r["train_curves"].values())) for k in p if k.endswith("/loss")]
                      for r in trained)
     assert first == pytest.approx(second, rel=5e-3)  # lr 2e-2 on a random target amplifies float32 noise

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from draftheads.drafters import DRAFTERS
 from draftheads.models.speculative import speculative_decode
 from draftheads.jobs.train import train
 from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, smoke
@@ -67,23 +68,31 @@ def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(
 
 
 
+PARITY_OWN = {"medusa": ["stage2.enabled=false"], "dflash": ["eval.peer_runs=[]", "dflash.block_size=8"],
+              "eagle3": ["eval.peer_runs=[]", "eagle3.draft_vocab_size=256", "eagle3.gamma=3"]}  # d2t mapped
+"""Each drafter's own overrides of the smoke job trained for the parity test (every registered drafter has one)."""
 
+
+def test_every_registered_drafter_is_in_the_parity_test():
+    assert PARITY_OWN.keys() == DRAFTERS.keys()
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
-@pytest.mark.parametrize("job", ["medusa", "dflash", "eagle3"])
+@pytest.mark.parametrize("job", sorted(DRAFTERS))
 def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, job):
     """A tiny random target and its smoke-trained drafter in real vLLM: token-identical greedy outputs and
     equal acceptance (parity must hold for any weights), through the offline API."""
     from draftheads.jobs.parity import cli as parity
     out = tmp_path / job
-    own = {"medusa": ["stage2.enabled=false"], "dflash": ["eval.peer_runs=[]", "dflash.block_size=8"],
-           "eagle3": ["eval.peer_runs=[]", "eagle3.draft_vocab_size=256", "eagle3.gamma=3"]}[job]  # d2t mapped
-    train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *own))
+    train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *PARITY_OWN[job]))
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])
     assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0
     assert rows[0]["drafts_ours"] == rows[0]["drafts_vllm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
 def test_evaluate_in_vllm_reports_the_evaluators_keys_and_its_tau(tmp_path, cache_dir):
     """train/evaluate.py RUN backend=vllm: the export decoded by vLLM with and without the drafter, the target

@@ -8,6 +8,8 @@ import pytest
 from draftheads.jobs.cli import parse_args
 from tests.helpers import run_dflash, run_medusa, smoke
 
+pytestmark = pytest.mark.slow  # training jobs on bad data
+
 
 def tokenized(path, rows: list[tuple[int, int]]):
     """A JSONL file of pre-tokenised rows, each ``(length, trainable tokens at its end)``."""

@@ -25,6 +25,7 @@ def old_run(out, report: dict = FINISHED):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hidden_states, kept", [("memory", set()), ("offline", {"hidden_states"})])
 def test_an_overwriting_run_keeps_nothing_of_the_old_one_but_the_state_cache_it_reads(hidden_states, kept, tmp_path,
                                                                                         cache_dir):
@@ -67,6 +68,7 @@ def test_a_run_that_failed_before_training_produced_anything_is_no_run(report, c
         claim_output_dir(out, overwrite=False, delete=True)
 
 
+@pytest.mark.slow
 def test_the_state_cache_and_its_training_run_share_one_output_dir_and_no_cache_job_rewrites_the_run(tmp_path,
                                                                                                     cache_dir):
     """The documented order: cache_hidden_states.py (again: it resumes), then the training job reading that cache

@@ -20,6 +20,8 @@ from draftheads.models.target import TINY, TargetSpec, load_target
 from tests.helpers import cut_back, greedy_lossless, launch, run_dflash, run_medusa
 from tests.helpers import smoke as cfg
 
+pytestmark = pytest.mark.slow  # whole DFlash (and Medusa peer) jobs and a 2-process launch
+
 
 @pytest.fixture(scope="module")
 def medusa_run(tmp_path_factory, cache_dir):
@@ -138,27 +140,6 @@ def test_a_stage_2_medusa_peer_is_verified_by_its_own_target(tmp_path, cache_dir
         ids, None).reference is None  # served by the evaluated target: compared with its plain decoding
 
 
-def test_online_features_train_like_offline_ones(tiny):
-    """The online mode (target forward per batch) computes the same loss as cached features."""
-    from draftheads.data.batching import collate
-    from draftheads.data.hidden_states import attach_hidden_states
-    from draftheads.drafters.dflash.model import DFlashDraftModel
-    from draftheads.drafters.dflash.training import DFlashTraining
-    model, tok = tiny
-    rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
-    torch.manual_seed(0)
-    drafter = DFlashDraftModel.for_target(model, 1, 6, [1, 3], 3)
-    offline, online = (DFlashTraining(drafter, model, 8, 4.0, online=o) for o in (False, True))
-    attach_hidden_states(model, rows, 2, tok.pad_token_id, False, layer_ids=[1, 3])
-    batch = collate(rows, tok.pad_token_id)
-    losses = []
-    for strategy, b in ((offline, batch), (online, {k: v for k, v in batch.items() if k != "target_features"})):
-        torch.manual_seed(1)  # the same anchors
-        losses.append(strategy.forward_loss(strategy.module, b)[0])
-    torch.testing.assert_close(losses[0], losses[1])
-    assert "target_features" in offline.required_fields and "target_features" not in online.required_fields
-
-
 def test_two_process_ddp_dflash_run(tmp_path, cache_dir, dflash_run):
     report = launch("dflash", tmp_path / "ddp", cache_dir, "train.epochs=6", "dflash.block_size=8",
                         "eval.peer_runs=[]")
@@ -184,22 +165,6 @@ def test_resuming_in_another_jobs_run_directory_is_refused(medusa_run, cache_dir
     shutil.copytree(medusa_run / "checkpoints", other / "checkpoints")
     with pytest.raises(ValueError, match="stage 'stage1', not one of this job's \\['dflash'\\]"):
         run_dflash(cfg("dflash", other, cache_dir, "resume=true", "eval.peer_runs=[]"))
-
-
-@pytest.mark.parametrize("job", ["medusa", "dflash"])
-def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_path, cache_dir):
-    """Drafters train in float32 beside a bf16 target, then are validated, evaluated and exported in the
-    target's dtype, as a server runs them (float32 drafters met bf16 target states in validation before)."""
-    run = run_medusa if job == "medusa" else run_dflash
-    extra = ["stage1.epochs=1", "stage2.epochs=0.5"] if job == "medusa" else ["train.epochs=1", "eval.peer_runs=[]"]
-    report = run(cfg(job, tmp_path, cache_dir, "model.dtype=bfloat16", "eval.max_new_tokens=8",
-                     "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]", *extra))
-    assert report["dtype"] == "bfloat16"
-    assert all(math.isfinite(v) for v in report["validation"].values())
-    assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
-    folder = tmp_path / ("medusa_heads" if job == "medusa" else "export/dflash")
-    dtypes = {t.dtype for f in folder.glob("*.safetensors") for t in load_file(str(f)).values()}
-    assert dtypes == {torch.bfloat16}
 
 
 def test_a_run_that_regenerates_trains_like_one_that_reads_the_cache(tmp_path):

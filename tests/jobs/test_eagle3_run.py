@@ -1,5 +1,5 @@
 """The whole EAGLE-3 job on the tiny random target: training, validation, export, evaluation beside Medusa
-and DFlash runs, exact resume, 2-process DDP, sampling, online features."""
+and DFlash runs, exact resume, 2-process DDP, sampling."""
 
 import math
 
@@ -13,6 +13,8 @@ from draftheads.jobs.export import cli as export_main
 from draftheads.models.target import TINY, TargetSpec, load_target
 from tests.helpers import cut_back, greedy_lossless, launch, run_dflash, run_eagle3, run_medusa
 from tests.helpers import smoke as cfg
+
+pytestmark = pytest.mark.slow  # whole EAGLE-3 (and peer) jobs and a 2-process launch
 
 OWN = ["train.epochs=6", "eagle3.draft_vocab_size=256", "eagle3.ttt_steps=4", "eagle3.gamma=4"]
 """A draft vocabulary half the tiny target's, so d2t maps it."""
@@ -102,20 +104,3 @@ def test_evaluate_a_saved_eagle3_run_with_sampling(eagle3_run):
     hot = report["eval"]["chitchat@T0.7"]
     assert hot["method"] == "eagle3" and hot["greedy_match"] is None and hot["new_tokens"] > 0
     assert greedy_lossless(report["eval"]["chitchat"])
-
-
-def test_online_features_train_like_offline_ones(tiny):
-    from draftheads.data.batching import collate
-    from draftheads.data.hidden_states import attach_hidden_states
-    from draftheads.drafters.eagle3.model import Eagle3DraftModel
-    from draftheads.drafters.eagle3.training import Eagle3Training
-    model, tok = tiny
-    rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
-    drafter = Eagle3DraftModel.for_target(model, [1, 2, 3], torch.arange(512))
-    offline, online = (Eagle3Training(drafter, model, 3, 0.8, online=o) for o in (False, True))
-    attach_hidden_states(model, rows, 2, tok.pad_token_id, False, layer_ids=[1, 2, 3])
-    batch = collate(rows, tok.pad_token_id)
-    losses = [s.forward_loss(s.module, b)[0] for s, b in
-              ((offline, batch), (online, {k: v for k, v in batch.items() if k != "target_features"}))]
-    torch.testing.assert_close(losses[0], losses[1])
-    assert "target_features" in offline.required_fields and "target_features" not in online.required_fields

@@ -14,6 +14,8 @@ from draftheads.models.target import TINY, TargetSpec, resolve_target_path
 from tests.helpers import SMOKE_STAGES, cut_back, greedy_lossless, launch, smoke
 from tests.helpers import run_medusa as run
 
+pytestmark = pytest.mark.slow  # whole Medusa jobs and 2-process launches
+
 
 def smoke_cfg(output_dir, cache_dir, *overrides):
     return smoke("medusa", output_dir, cache_dir, *SMOKE_STAGES, *overrides)
@@ -45,7 +47,11 @@ def test_smoke_run_trains_evaluates_and_exports(smoke_run):
     curve = [h["stage1/loss"] for h in report["train_curves"]["stage1"]]
     assert sum(curve[-3:]) < 0.9 * sum(curve[:3])
     assert report["validation"]["val/head1_top1"] > 50 / 512
-    assert report["validation"]["drift/kl_to_original"] >= 0.0
+    # stage 2 moved the target (KL > 0; 0.0066 today) but, self-distilled at a tenth of the rate, kept it near the
+    # original: the smoke run at stage2.backbone_lr_scale=1.0 drifts to KL 0.32 and 7% greedy agreement
+    drift = report["validation"]
+    assert 0.0 < drift["drift/kl_to_original"] < 0.05, drift
+    assert 0.5 < drift["drift/greedy_agreement"] < 1.0 and abs(drift["drift/ppl_change"]) < 0.2, drift
 
 
 def test_exports_reload_strictly_and_reproduce_the_heads(smoke_run):

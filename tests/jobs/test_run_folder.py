@@ -17,6 +17,8 @@ from draftheads.models.target import TINY, TargetSpec, load_target, resolve_targ
 from draftheads.models.tiny import TinySpec
 from tests.helpers import SMOKE_STAGES, run_medusa, smoke
 
+pytestmark = pytest.mark.slow  # whole Medusa jobs, evaluated again
+
 SHORT = ["eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}]", "eval.max_new_tokens=16"]
 """A short evaluation, recorded in the run's config (evaluations without overrides use it)."""
 HEADS_CONFIG = Path("medusa_heads") / "medusa_heads.json"

@@ -188,6 +188,7 @@ def test_an_unwritable_output_dir_fails_before_any_work(tmp_path):
         check_writable(blocker / "run")
 
 
+@pytest.mark.slow
 def test_a_job_resumes_before_a_damaged_checkpoint_and_refuses_another_seed(tmp_path, cache_dir):
     """The smoke Medusa job (stage 1 only) cut back to two checkpoints, the newer truncated: resumed, it warns and
     continues from the older one to the end; resumed with another ``trainer.seed``, it is refused."""
@@ -203,6 +204,7 @@ def test_a_job_resumes_before_a_damaged_checkpoint_and_refuses_another_seed(tmp_
     assert report["resumed_from"].endswith("stage1-step000005") and report["finished"][0] == "training"
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_dir):
     """The smoke Medusa job (stage 1 only) is killed with SIGKILL right after its second checkpoint and resumed:
     its heads equal, bit for bit, those of the same job never interrupted."""
@@ -237,6 +239,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_d
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_ends_every_rank_promptly(tmp_path, cache_dir):
     """One of two DDP ranks is killed mid-training: the launcher and the other rank end within a minute with
     an error, instead of the survivor waiting in a collective until the timeout."""

@@ -11,9 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from draftheads.drafters import DRAFTERS
 from tests.helpers import ROOT, SMOKE_STAGES, greedy_lossless, launch
 
 pytest.importorskip("deepspeed")
+
+pytestmark = pytest.mark.slow  # 2-process launches under every engine
 
 MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
 FEATURE_DRAFTERS = {
@@ -91,7 +94,12 @@ def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_
     assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
 
 
-@pytest.mark.parametrize("job", ["dflash", "eagle3"])
+def test_every_registered_drafter_is_sharded_here():
+    """Medusa by the tests above, every other drafter by the one below, with its own settings."""
+    assert FEATURE_DRAFTERS.keys() == DRAFTERS.keys() - {"medusa"}
+
+
+@pytest.mark.parametrize("job", sorted(DRAFTERS.keys() - {"medusa"}))
 def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir):
     """The drafters that read target layers, under FSDP on cached features and under ZeRO-3 with the target
     running online: the same losses and drafter as DDP."""
