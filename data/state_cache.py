@@ -73,7 +73,8 @@ def estimated_bytes(rows: list[dict], width: int, dtype: str) -> int:
     return sum(len(r["input_ids"]) for r in rows) * width * torch.empty(0, dtype=torch_dtype(dtype)).element_size()
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in 16 MiB blocks (shards and checkpoints of any size)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 24), b""):
@@ -88,7 +89,7 @@ def _shard_name(k: int) -> str:
 def _complete(folder: Path, k: int) -> bool:
     info = folder / (_shard_name(k) + ".json")
     path = folder / _shard_name(k)
-    return info.exists() and path.exists() and json.loads(info.read_text())["sha256"] == _sha256(path)
+    return info.exists() and path.exists() and json.loads(info.read_text())["sha256"] == file_sha256(path)
 
 
 StateSource = Callable[[list[dict]], list[torch.Tensor]]
@@ -147,7 +148,7 @@ def write_cache(states: StateSource, rows: list[dict], folder: str | Path, spec:
         save_file(tensors, str(tmp))
         tmp.replace(path)
         info = path.with_name(path.name + ".json")
-        info.with_name(info.name + ".tmp").write_text(json.dumps({"rows": indices, "sha256": _sha256(path)}))
+        info.with_name(info.name + ".tmp").write_text(json.dumps({"rows": indices, "sha256": file_sha256(path)}))
         info.with_name(info.name + ".tmp").replace(info)
     return mine
 
@@ -197,7 +198,7 @@ def read_cache(folder: str | Path, spec: CacheSpec, rows: list[dict], indices: S
         if not needed:
             continue
         path = folder / shard["file"]
-        if not path.exists() or _sha256(path) != shard["sha256"]:
+        if not path.exists() or file_sha256(path) != shard["sha256"]:
             raise ValueError(f"{path}: missing or corrupt (checksum differs from {MANIFEST}); rebuild the cache "
                              f"(complete shards are kept)")
         tensors = load_file(str(path))

@@ -37,7 +37,7 @@ from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_te
 
 
 class Dtype(Choice):
-    """Weights dtype of a target (``model.dtype``) or of the state cache on disk (``data.hidden_states_dtype``)."""
+    """Weights dtype of a target (``model.dtype``) or of the state cache on disk (``data.target_states_dtype``)."""
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
@@ -64,7 +64,7 @@ class TargetSpec:
     partial: bool = False
     """Hold only the target's input embedding, final norm and LM head, read from its safetensors checkpoint (the
     decoder layers are never allocated; :mod:`draftheads.models.partial`): for training from the offline state
-    cache (``data.hidden_states=offline``) with answers already regenerated, ``eval.enabled=false`` (evaluate
+    cache (``data.target_states=disk``) with answers already regenerated, ``eval.enabled=false`` (evaluate
     afterwards where the whole target fits) and no Medusa stage 2. Memory independent of the target's depth."""
     tiny: TinySpec = field(default_factory=TinySpec)
     """Sizes of the tiny random target built when ``name_or_path`` is ``tiny://<family>`` (ignored otherwise)."""

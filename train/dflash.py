@@ -6,7 +6,8 @@
     accelerate launch --multi_gpu --num_processes 2 train/dflash.py    # DDP (gloo on CPU, NCCL on GPUs)
     accelerate launch train/dflash.py resume=true                      # continue an interrupted run
 
-Flow: target -> self-distilled rows (the same cache as Medusa's) -> target features of K layers (precomputed) ->
+Flow: target -> self-distilled rows (the same cache as Medusa's) -> target features of K layers
+(data.target_states: memory, disk or online) ->
 training (random blocks per sequence, one pass each) -> held-out validation -> export/dflash -> speculative
 evaluation beside plain decoding, iterative denoising, a Medusa run's heads and prompt lookup. Rank 0 alone
 validates, exports and evaluates.

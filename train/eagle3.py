@@ -6,7 +6,8 @@
     accelerate launch --multi_gpu --num_processes 2 train/eagle3.py    # DDP (gloo on CPU, NCCL on GPUs)
     accelerate launch train/eagle3.py resume=true                      # continue an interrupted run
 
-Flow: target -> self-distilled rows (the same cache as Medusa's) -> target features of 3 layers (precomputed)
+Flow: target -> self-distilled rows (the same cache as Medusa's) -> target features of 3 layers
+(data.target_states: memory, disk or online)
 -> draft vocabulary (the rows' most frequent trained tokens) -> training-time-test training -> held-out
 validation -> export/eagle3 -> speculative evaluation beside plain decoding, peer runs and prompt lookup. Rank 0
 alone validates, exports and evaluates.

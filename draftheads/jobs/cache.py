@@ -1,5 +1,5 @@
-"""Write the target's states for a training job's rows to disk once (the offline state cache); training then
-reads them (``data.hidden_states=offline``). Which states: what the run's drafter trains on (the registry says)."""
+"""Write the target's states for a training job's rows to disk once (the state cache); training then
+reads them (``data.target_states=disk``). Which states: what the run's drafter trains on (the registry says)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def cache_states(cfg: DictConfig) -> Path:
         states = vllm_states(python, target, job.target_path, pending, layer_ids, work,
                              max(len(r["input_ids"]) for r in rows) + 1, conf.vllm.engine()) if pending else None
     else:
-        states = forward_states(target, layer_ids, conf.trainer.hidden_states_batch_size, job.tokenizer.pad_token_id,
+        states = forward_states(target, layer_ids, conf.data.target_batch_size, job.tokenizer.pad_token_id,
                                 torch_dtype(spec.dtype))
     written = write_cache(states, rows, folder, spec, shard_rows, accelerator.process_index, accelerator.num_processes,
                           accelerator.is_main_process)

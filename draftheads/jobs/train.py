@@ -21,6 +21,7 @@ from draftheads import drafters
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs
 from draftheads.models.target import resolve_target_path
+from draftheads.training.config import TargetStates
 from draftheads.training.job import TARGET_FILE, Job, close_job, job_rows, open_job
 from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.runtime import distributed
@@ -40,7 +41,8 @@ def train(name: str, cfg: DictConfig) -> dict:
         write_report({"drafter": recipe.name, "finished": [],
                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
     train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
-                                                 attach=recipe.attach_states(job.conf), unusable=recipe.unusable)
+                                                 attach=job.conf.data.target_states != TargetStates.online,
+                                                 unusable=recipe.unusable)
     trained = recipe.train(job, train_rows)
     report = {}
     if job.accelerator.is_main_process:

@@ -9,13 +9,14 @@ default) keeps one to fall back on when the newest is found damaged.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import warnings
 from pathlib import Path
 
 from accelerate import Accelerator
+
+from draftheads.data.state_cache import file_sha256
 
 CHECKSUMS = "files_sha256"
 """The ``meta.json`` key holding each file's sha256 by its path in the checkpoint (absent in checkpoints of
@@ -80,7 +81,7 @@ def _damaged_file(path: Path, meta: dict) -> str | None:
     for name, digest in meta.get(CHECKSUMS, {}).items():
         if not (path / name).is_file():
             return f"{name} is missing"
-        if _sha256(path / name) != digest:
+        if file_sha256(path / name) != digest:
             return f"{name} differs from its sha256 in meta.json (truncated or corrupted)"
     return None
 
@@ -113,15 +114,7 @@ def check_plan(checkpoint: str | Path, plan: dict) -> None:
 
 def file_checksums(folder: Path) -> dict[str, str]:
     """sha256 of every file under ``folder``, by its path relative to it."""
-    return {str(p.relative_to(folder)): _sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
+    return {str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def save_checkpoint(accelerator: Accelerator, output_dir: str | Path, meta: dict, keep_last: int) -> Path:

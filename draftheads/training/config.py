@@ -51,17 +51,17 @@ class SystemPolicy(Choice):
     drop = "drop"
 
 
-class HiddenStates(Choice):
-    """Where training reads the target's states from (``data.hidden_states``)."""
-    memory = "memory"
-    offline = "offline"
-
-
-class Features(Choice):
-    """When a drafter that reads target layers (DFlash, EAGLE-3) gets their outputs for training
-    (``<drafter>.features``)."""
-    precomputed = "precomputed"
+class TargetStates(Choice):
+    """Where training gets the target's states from (``data.target_states``): the outputs of the target layers
+    a drafter reads (for Medusa, its last hidden state)."""
     online = "online"
+    """A target forward (no autograd) per batch: least memory, most compute; drafters that read target layers
+    only (DFlash, EAGLE-3)."""
+    memory = "memory"
+    """Computed once at the start of each run, kept in RAM."""
+    disk = "disk"
+    """Read from ``data.target_states_dir``, written once by ``train/cache_hidden_states.py`` with the same
+    config."""
 
 
 class MixedPrecision(Choice):
@@ -133,22 +133,35 @@ class DataConfig(PromptSource):
     user turn), keep, fold, drop."""
     strict: bool = False
     """Fail on the first bad row (file, row, field) instead of skipping and counting it."""
-    hidden_states: HiddenStates = HiddenStates.memory
-    """Target states for training: memory (computed at the start of each run, kept in RAM) or offline (read
-    from ``hidden_states_dir``, written once by ``train/cache_hidden_states.py`` with the same config)."""
+    target_states: TargetStates = TargetStates.memory
+    """Where training gets the target's states: online (per batch), memory (computed at the start of each run)
+    or disk (the state cache at ``target_states_dir``); see :class:`TargetStates`."""
+    target_states_dir: str | None = None
+    """The state cache folder (safetensors shards + manifest); default ``<output_dir>/hidden_states``."""
+    target_states_dtype: Dtype = Dtype.bfloat16
+    """Dtype of the state cache on disk: bfloat16, float16 or float32 (read back in the target's dtype)."""
+    target_batch_size: int = 16
+    """Rows per target forward outside training: the states computed at the start of a run or into the state
+    cache, and the held-out validation."""
+    hidden_states: str | None = None
+    """Removed (:data:`RENAMED`): ``data.target_states``."""
     hidden_states_dir: str | None = None
-    """The offline cache folder (safetensors shards + manifest); default ``<output_dir>/hidden_states``."""
-    hidden_states_dtype: Dtype = Dtype.bfloat16
-    """Dtype of the offline cache on disk: bfloat16, float16 or float32 (read back in the target's dtype)."""
+    """Removed (:data:`RENAMED`): ``data.target_states_dir``."""
+    hidden_states_dtype: str | None = None
+    """Removed (:data:`RENAMED`): ``data.target_states_dtype``."""
     cache_shard_rows: int = 256
     """Rows per cache shard (the unit a killed caching run resumes from)."""
     generation: GenerationSettings = field(default_factory=GenerationSettings)
     server: ServerConfig = field(default_factory=ServerConfig)
+    """Regenerate through a served model instead of the in-process target (same answers, real scale)."""
     reasoning: Reasoning = Reasoning.auto
     """A reasoning model's reasoning text that ``data.server`` returns apart from the answer: auto (kept where
     the chat template renders it: reasoning_content when it reads that, inline <think> blocks when it parses
     them, else dropped), inline, field (reasoning_content), drop."""
-    """Regenerate through a served model instead of the in-process target (same answers, real scale)."""
+
+    def __post_init__(self):
+        if self.target_batch_size < 1:
+            raise ValueError(f"data.target_batch_size={self.target_batch_size} must be >= 1")
 
 
 @dataclass
@@ -227,7 +240,8 @@ class TrainerConfig:
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
     batch_size: int = 8
-    """Rows per process per micro-batch, right-padded to the longest (unless ``tokens_per_batch`` is set)."""
+    """Rows per process per micro-batch, right-padded to the longest: read only with ``tokens_per_batch: null``
+    (packed micro-batches, the default, are sized by tokens)."""
     tokens_per_batch: int | None = 1280
     """Micro-batches sized by tokens (the default; ``null``: ``batch_size`` rows, padded), for every drafter and
     stage: 1280 give the embedded jobs' 384 rows 48 micro-batches an epoch, as 8 padded rows did (a target's
@@ -246,8 +260,8 @@ class TrainerConfig:
     """Optimizer steps between checkpoints (one is always written at the end of a stage)."""
     keep_last: int = 2
     """Checkpoints kept; older ones are deleted after a new one is complete."""
-    hidden_states_batch_size: int = 16
-    """Rows per target forward when caching hidden states."""
+    hidden_states_batch_size: int | None = None
+    """Removed (:data:`RENAMED`): ``data.target_batch_size``."""
     collective_timeout_min: int = 180
     """How long ranks wait at a barrier: for the slowest rank's share of the regeneration, and for rank 0's
     final validation, export and evaluation. A rank that fails still ends the others at once (accelerate
@@ -263,7 +277,7 @@ class TrainerConfig:
     def __post_init__(self):
         positive = {"lr": self.lr, "batch_size": self.batch_size, "grad_accum": self.grad_accum,
                     "log_every": self.log_every, "checkpoint_every": self.checkpoint_every,
-                    "hidden_states_batch_size": self.hidden_states_batch_size, "max_grad_norm": self.max_grad_norm,
+                    "max_grad_norm": self.max_grad_norm,
                     "tokens_per_batch": 1 if self.tokens_per_batch is None else self.tokens_per_batch}
         bad = [f"trainer.{k}={v}" for k, v in positive.items() if not v > 0]
         bad += [f"trainer.{k}={v}" for k, v in (("weight_decay", self.weight_decay), ("keep_last", self.keep_last))
@@ -283,7 +297,7 @@ class TrackerConfig:
 
 
 class TargetBackend(Choice):
-    """Who runs the target to make the offline state cache (``target_backend``)."""
+    """Who runs the target to make the state cache (``target_backend``)."""
     transformers = "transformers"
     """The target in process, under accelerate (each rank its share of the shards)."""
     vllm = "vllm"
@@ -324,7 +338,7 @@ class RunConfig:
     overwrite: bool = False
     """Start afresh in an output_dir that holds a training run: the old run's files (``RUN_ENTRIES`` in
     draftheads/training/job.py: checkpoints, report, saved drafter, exports, tracker files) are deleted first, all
-    but the state cache this job reads (``data.hidden_states=offline``); a folder that also holds files no run
+    but the state cache this job reads (``data.target_states=disk``); a folder that also holds files no run
     writes is refused. Without it such an output_dir is refused unless resuming."""
     export: bool = True
     """Write the drafter's server formats under output_dir/export at the end (a drafter whose export is also
@@ -366,10 +380,23 @@ def apply_generation_defaults(conf, generation_config) -> None:
         conf.eval = dataclasses.replace(conf.eval, temperatures=[temperature], top_k=top_k, top_p=top_p)
 
 
+RENAMED = {"data.hidden_states": "data.target_states (memory as before; offline is now disk)",
+           "data.hidden_states_dir": "data.target_states_dir", "data.hidden_states_dtype": "data.target_states_dtype",
+           "trainer.hidden_states_batch_size": "data.target_batch_size",
+           "dflash.features": "data.target_states (precomputed is now memory or disk; online stays online)",
+           "eagle3.features": "data.target_states (precomputed is now memory or disk; online stays online)"}
+"""Keys that were one knob's halves or said "hidden states" for the target's states, and what replaced them:
+still declared (None) so that a config setting one composes, then is refused naming its successor."""
+
+
 def to_schema(cfg: DictConfig):
     """The composed config as typed objects. Raises ``ValueError`` naming any key the schema does not declare
-    (Hydra lets ``+group.key=...`` add keys to a structured node; they would be silently ignored)."""
+    (Hydra lets ``+group.key=...`` add keys to a structured node; they would be silently ignored) or a
+    :data:`RENAMED` key that is set, naming what replaced it."""
     _reject_undeclared(cfg, "")
+    renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(cfg, old) is not None]
+    if renamed:
+        raise ValueError(f"removed config key(s): {'; '.join(renamed)}")
     return OmegaConf.to_object(cfg)
 
 

@@ -24,7 +24,7 @@ from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.partial import place
 from draftheads.models.target import load_target, model_identity, weights_sample
 from draftheads.training.checkpoint import latest_checkpoint
-from draftheads.training.config import HiddenStates, RunConfig, apply_generation_defaults, to_schema
+from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
 from draftheads.training.recipe import Recipe
 from draftheads.training.runtime import make_accelerator, print0, start_tracker
 
@@ -70,7 +70,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     if recipe is not None and conf.drafter != recipe.name:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
     if conf.model.partial and recipe is not None:
-        check_partial(conf, recipe)
+        check_partial(conf)
     out = Path(conf.output_dir)
     claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
     accelerator = make_accelerator(cfg)
@@ -98,17 +98,15 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
 
 
-def check_partial(conf: RunConfig, recipe: Recipe) -> None:
+def check_partial(conf: RunConfig) -> None:
     """``model.partial=true`` trains from cached states only: ``ValueError`` saying what to change when the run
     would run the target's decoder layers (states computed in the run or per batch, the evaluator), before any
     work. Answers still to regenerate are refused where regeneration starts; a recipe refuses its own stages in
     ``check`` (Medusa's stage 2)."""
-    if not recipe.attach_states(conf):
-        raise ValueError(f"model.partial=true holds no decoder layer to compute features per batch with: set "
-                         f"{conf.drafter}.features=precomputed")
-    if conf.data.hidden_states != HiddenStates.offline:
-        raise ValueError("model.partial=true holds no decoder layer to compute states with: use "
-                         "data.hidden_states=offline with a cache made by train/cache_hidden_states.py (whole target)")
+    if conf.data.target_states != TargetStates.disk:
+        raise ValueError(f"model.partial=true holds no decoder layer to compute states with (data.target_states="
+                         f"{conf.data.target_states}): use data.target_states=disk with a cache made by "
+                         f"train/cache_hidden_states.py (whole target)")
     if conf.eval.enabled:
         raise ValueError("model.partial=true: the evaluator decodes with the whole target; set eval.enabled=false and "
                          "evaluate afterwards with train/evaluate.py RUN where the target fits")
@@ -140,10 +138,10 @@ PROBE = ".write-probe-"
 def claim_job_dir(conf: RunConfig, recipe: Recipe | None, delete: bool) -> None:
     """:func:`claim_output_dir` for a job of ``recipe`` (None: a state cache build). A resumed training run
     continues its folder unclaimed; a state cache build claims it even with ``resume`` (it resumes by itself)
-    and keeps the cache it writes; a training run keeps the cache it reads (``data.hidden_states=offline``)."""
+    and keeps the cache it writes; a training run keeps the cache it reads (``data.target_states=disk``)."""
     if recipe is not None and conf.resume:
         return
-    reads_cache = recipe is None or conf.data.hidden_states == HiddenStates.offline
+    reads_cache = recipe is None or conf.data.target_states == TargetStates.disk
     claim_output_dir(Path(conf.output_dir), conf.overwrite, delete, keep=state_cache_dir(conf) if reads_cache else None,
                      resumable=recipe is not None)
 
@@ -250,8 +248,8 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = 
     accelerator.log({f"data/{k}": v for k, v in data_scalars(report).items()}, step=0)
     if not attach:
         return train_rows, val_rows, report
-    pad, bs = job.tokenizer.pad_token_id, conf.trainer.hidden_states_batch_size
-    if conf.data.hidden_states == HiddenStates.offline:
+    pad, bs = job.tokenizer.pad_token_id, conf.data.target_batch_size
+    if conf.data.target_states == TargetStates.disk:
         rows = train_rows + val_rows
         spec = state_cache_spec(job, rows, layer_ids)
         per_rank = len(rank_shard(train_rows, accelerator.process_index, accelerator.num_processes))
@@ -281,14 +279,14 @@ def _usable(rows: list[dict], unusable: Callable[[dict], str | None], report: Da
 
 
 def state_cache_dir(conf: RunConfig) -> Path:
-    """``data.hidden_states_dir``, by default ``<output_dir>/hidden_states``."""
-    return Path(conf.data.hidden_states_dir or Path(conf.output_dir) / "hidden_states")
+    """``data.target_states_dir``, by default ``<output_dir>/hidden_states``."""
+    return Path(conf.data.target_states_dir or Path(conf.output_dir) / "hidden_states")
 
 
 def state_cache_spec(job: Job, rows: list[dict], layer_ids) -> CacheSpec:
-    """What the offline cache of ``rows`` must have been made for (this target, layers, tokenizer, data)."""
+    """What the state cache of ``rows`` must have been made for (this target, layers, tokenizer, data)."""
     return cache_spec(job.target, job.identity, job.tokenizer, rows, layer_ids, job.conf.data.max_length,
-                      job.conf.data.hidden_states_dtype)
+                      job.conf.data.target_states_dtype)
 
 
 def close_job(job: Job, report: dict) -> dict:

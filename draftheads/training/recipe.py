@@ -17,7 +17,7 @@ from torch import nn
 
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
-from draftheads.training.config import Features
+from draftheads.training.config import TargetStates
 from draftheads.training.held_out import held_out_metrics
 from draftheads.training.runtime import print0
 from draftheads.training.spine import fit
@@ -66,11 +66,6 @@ class Recipe:
         """Why this drafter cannot train on ``row`` (it is then skipped and counted before training), or None
         (default: every row)."""
         return None
-
-    def attach_states(self, conf) -> bool:
-        """Whether rows carry those states before training (default; False: the strategy runs the target per
-        batch)."""
-        return True
 
     def train(self, job, rows: list[dict]) -> Trained:
         """Every stage on ``rows`` (this process's share is taken by the spine), resuming from ``job.resume``;
@@ -127,8 +122,9 @@ class Recipe:
 
 
 class FeatureRecipe(Recipe):
-    """A drafter trained on the outputs of chosen target layers (DFlash, EAGLE-3): its settings are the config
-    section named after it (``target_layer_ids``, ``features``), it trains in one stage of its name, its export
+    """A drafter trained on the outputs of chosen target layers (DFlash, EAGLE-3), online or from states
+    computed before (``data.target_states``): its settings are the config section named after it
+    (``target_layer_ids``), it trains in one stage of its name, its export
     (``export/<name>``, what the servers load) is its saved model, and its held-out metrics are its training
     module's, teacher-forced. A subclass says what is its own: the settings it checks, the default layers, how
     the drafter is built, trained, written and read."""
@@ -182,21 +178,19 @@ class FeatureRecipe(Recipe):
         n = target.config.num_hidden_layers
         bad = [i for i in self.state_layers(conf, target) if not 0 <= i < n]
         if bad:
-            raise ValueError(f"{self.name}.target_layer_ids: {bad} are outside 0..{n - 1} (the target's decoder layers)")
+            raise ValueError(f"{self.name}.target_layer_ids: {bad} are outside 0..{n - 1} (the target's decoder "
+                             f"layers)")
         self.check_settings(conf, target)
 
     def state_layers(self, conf, target) -> tuple[int, ...]:
         """``<name>.target_layer_ids``, else :meth:`default_layers`."""
         return tuple(self.settings(conf).target_layer_ids or self.default_layers(conf, target))
 
-    def attach_states(self, conf) -> bool:
-        return self.settings(conf).features == Features.precomputed
-
     def train(self, job, rows: list[dict]) -> Trained:
         conf, target = job.conf, job.target
         drafter = self.build(conf, target, job.tokenizer, rows)
         print0(job.accelerator, f"drafter: {self.describe(conf, drafter)}")
-        strategy = self.training(conf, drafter, target, online=not self.attach_states(conf))
+        strategy = self.training(conf, drafter, target, online=conf.data.target_states == TargetStates.online)
         state = fit(job.accelerator, strategy, rows, conf.trainer, conf.train, str(job.out),
                     job.tokenizer.pad_token_id, {"model": job.identity, "step_offset": 0},
                     resume_from=str(job.resume[0]) if job.resume else None)
@@ -207,7 +201,7 @@ class FeatureRecipe(Recipe):
     def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
         """The training module's metrics on the held-out rows, teacher-forced (``<name>_loss``, per position)."""
         module = self.training(job.conf, trained.model, job.target, online=False).module
-        return held_out_metrics(module, rows, job.conf.trainer.hidden_states_batch_size, job.tokenizer.pad_token_id,
+        return held_out_metrics(module, rows, job.conf.data.target_batch_size, job.tokenizer.pad_token_id,
                                 f"{self.name}_loss", job.conf.trainer.seed)
 
     def save(self, job, trained: Trained) -> dict:

@@ -177,7 +177,7 @@ def prepare(cfg, work: Path) -> Prepared:
     job = open_job(cfg)
     train_rows, val_rows, _ = job_rows(job, attach=False)
     conf, pad = job.conf, job.tokenizer.pad_token_id
-    attach_hidden_states(job.target, val_rows, conf.trainer.hidden_states_batch_size, pad, show_progress=False)
+    attach_hidden_states(job.target, val_rows, conf.data.target_batch_size, pad, show_progress=False)
     width = max(len(r["input_ids"]) for r in train_rows)
     save_file(reference_rows(train_rows, width, pad), str(work / "rows.safetensors"))
     reference_model(job.target_path, work / "model")
@@ -236,7 +236,7 @@ def measure(run_dir: Path, heads: dict[str, Path | None], val_rows: list[dict]) 
     results = {}
     for name, folder in heads.items():
         trained = run.recipe.load(run_dir, run.conf, run.target, None if folder is None else str(folder))
-        val, _ = validate(run.target, trained.model, val_rows, run.conf.trainer.hidden_states_batch_size,
+        val, _ = validate(run.target, trained.model, val_rows, run.conf.data.target_batch_size,
                           run.tokenizer.pad_token_id)
         sets = evaluate_drafter(run.conf, run.recipe, trained, run.target, run.tokenizer, eval_sets)
         results[name] = {"trainable": sum(p.numel() for p in trained.model.parameters()),

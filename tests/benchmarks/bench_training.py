@@ -6,8 +6,8 @@
     python tests/benchmarks/bench_training.py model=hf model.name_or_path=meta-llama/Llama-3.2-1B model.dtype=bfloat16
     accelerate launch --config_file launch/fsdp.yaml --num_processes 1 tests/benchmarks/bench_training.py jobs=stage2
 
-Jobs (``jobs=`` keeps some, comma-separated): ``cache`` builds the offline hidden-state cache (timed on its own),
-``stage1`` Medusa stage 1 with target states computed in memory, ``stage1_offline`` the same read from the
+Jobs (``jobs=`` keeps some, comma-separated): ``cache`` builds the state cache (timed on its own),
+``stage1`` Medusa stage 1 with target states computed in memory, ``stage1_disk`` the same read from the
 cache, ``stage2`` Medusa stage 2, ``dflash`` DFlash on precomputed features, ``dflash_online`` with the target
 run per batch, all on padded batches of ``trainer.batch_size`` rows; ``stage1_packed``, ``stage2_packed``,
 ``dflash_packed`` and ``dflash_online_packed`` are the same on packed batches of ``tokens=`` tokens
@@ -110,7 +110,7 @@ OPTIONS = ("steps=", "jobs=", "tokens=", "out=")
 
 def run_each(jobs: list[str], argv: list[str]) -> tuple[list[dict], float | None, float | None]:
     """Every job in a process of its own (this script with ``jobs=<job>``, sharing one ``out=`` folder, so the
-    offline cache job feeds the next), its output streamed; returns the rows, the cache build seconds and the
+    state cache job feeds the next), its output streamed; returns the rows, the cache build seconds and the
     measured bf16 peak, from each process's ``RESULTS`` line."""
     out = tempfile.mkdtemp(prefix="bench-")
     own = [a for a in argv if not a.startswith(("jobs=", "out="))]
@@ -139,13 +139,13 @@ def main(argv: list[str]) -> None:
               f"trainer.checkpoint_every={10 ** 6}", "data.num_train_prompts=64", "data.num_val_prompts=8", *user]
     medusa = [*common, "stage1.max_steps=" + str(steps), "stage1.epochs=100", "stage2.enabled=false"]
     stage2 = [*common, "stage1.max_steps=1", f"stage2.max_steps={steps}", "stage2.epochs=100"]
-    cache = [f"data.hidden_states_dir={out / 'hs'}"]
+    cache = [f"data.target_states_dir={out / 'hs'}"]
     dflash = [*common, f"train.max_steps={steps}", "train.epochs=100", "eval.peer_runs=[]"]
-    online = "dflash.features=online"
+    online = "data.target_states=online"
     plans = {
         "stage1": ("medusa stage 1, states in memory", "medusa", [*medusa, padded], "stage1"),
-        "stage1_offline": ("medusa stage 1, offline cache", "medusa",
-                           [*medusa, padded, "data.hidden_states=offline", *cache], "stage1"),
+        "stage1_disk": ("medusa stage 1, states from disk", "medusa",
+                           [*medusa, padded, "data.target_states=disk", *cache], "stage1"),
         "stage2": ("medusa stage 2 (last 4 layers)", "medusa", [*stage2, padded], "stage2"),
         "stage1_packed": ("medusa stage 1, packed", "medusa", [*medusa, packed], "stage1"),
         "stage2_packed": ("medusa stage 2, packed", "medusa", [*stage2, packed], "stage2"),
@@ -168,7 +168,7 @@ def main(argv: list[str]) -> None:
         start = time.perf_counter()
         cache_states(job("medusa", [*medusa, f"output_dir={out / 'cache'}", *cache]))
         cache_s = time.perf_counter() - start
-        print(f"offline cache build: {cache_s:.1f} s", flush=True)
+        print(f"state cache build: {cache_s:.1f} s", flush=True)
     peak = peak_tflops()
     for name in (n for n in plans if n in wanted):
         label, job_name, overrides, stage = plans[name]

@@ -66,7 +66,7 @@ def main(overrides: list[str]) -> None:
                 caches[name, backend] = folder
                 extra = [o for o in overrides if o.startswith("vllm.")] if backend == "vllm" else []
                 seconds = run("train/cache_hidden_states.py", "--config-name", name, f"target_backend={backend}",
-                              "data.hidden_states_dtype=float32", f"data.hidden_states_dir={folder}",
+                              "data.target_states_dtype=float32", f"data.target_states_dir={folder}",
                               f"output_dir={tmp}/run", "tracker=none", *extra, *job_keys)
                 diff = compare(caches[name, "transformers"], folder) if backend == "vllm" else (0.0, 0.0)
                 print(f"{name:<8} {backend:<13} {seconds:>7.1f} {diff[0]:>11.2e} {diff[1]:>9.2e}")
@@ -75,8 +75,8 @@ def main(overrides: list[str]) -> None:
             for backend in ("transformers", "vllm"):
                 out = Path(tmp) / f"train-{name}-{backend}"
                 mine = [o for o in steps if group(o) in {group(k) for k in STEPS[name]}] or STEPS[name]
-                run(f"train/{name}.py", "data.hidden_states=offline", "data.hidden_states_dtype=float32",
-                    f"data.hidden_states_dir={caches[name, backend]}", "model.partial=true", "eval.enabled=false",
+                run(f"train/{name}.py", "data.target_states=disk", "data.target_states_dtype=float32",
+                    f"data.target_states_dir={caches[name, backend]}", "model.partial=true", "eval.enabled=false",
                     "tracker=none", f"output_dir={out}", *mine, *job_keys)
                 report = json.loads((out / "report.json").read_text())
                 losses = [p[f"{stage}/loss"] for stage, curve in report["train_curves"].items() for p in curve]

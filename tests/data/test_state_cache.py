@@ -1,4 +1,4 @@
-"""The offline target-state cache: equal to the states computed in memory (batched, padded), resumable,
+"""The target-state cache on disk: equal to the states computed in memory (batched, padded), resumable,
 refusing a cache made for something else or corrupted, written by several ranks, and read by training."""
 
 import json
@@ -116,36 +116,36 @@ def short(job, out, cache_dir, *overrides):
 
 
 @pytest.mark.slow
-def test_training_on_the_offline_cache_follows_the_in_memory_curve(tmp_path, cache_dir):
+def test_training_on_the_state_cache_follows_the_in_memory_curve(tmp_path, cache_dir):
     hs = tmp_path / "hs"
-    folder = cache_states(short("medusa", tmp_path / "a", cache_dir, f"data.hidden_states_dir={hs}",
-                                "data.hidden_states_dtype=float32", "data.cache_shard_rows=16"))
+    folder = cache_states(short("medusa", tmp_path / "a", cache_dir, f"data.target_states_dir={hs}",
+                                "data.target_states_dtype=float32", "data.cache_shard_rows=16"))
     manifest = json.loads((Path(folder) / "manifest.json").read_text())
-    offline = run_medusa(short("medusa", tmp_path / "b", cache_dir, "data.hidden_states=offline",
-                                 f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32"))
-    n = offline["data"]["rows_out"]  # training and validation rows, all cached
+    disk = run_medusa(short("medusa", tmp_path / "b", cache_dir, "data.target_states=disk",
+                                 f"data.target_states_dir={hs}", "data.target_states_dtype=float32"))
+    n = disk["data"]["rows_out"]  # training and validation rows, all cached
     assert manifest["num_rows"] == n and len(manifest["shards"]) == -(-n // 16) > 1
     memory = run_medusa(short("medusa", tmp_path / "c", cache_dir))
-    a, b = offline["train_curves"]["stage1"], memory["train_curves"]["stage1"]
+    a, b = disk["train_curves"]["stage1"], memory["train_curves"]["stage1"]
     assert [x["step"] for x in a] == [x["step"] for x in b]
     for x, y in zip(a, b):
         assert x["stage1/loss"] == pytest.approx(y["stage1/loss"], rel=1e-4)
     with pytest.raises(ValueError, match="another layer_ids"):  # a DFlash job cannot read Medusa's cache
-        run_dflash(short("dflash", tmp_path / "d", cache_dir, "data.hidden_states=offline",
-                           f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", "eval.peer_runs=[]"))
+        run_dflash(short("dflash", tmp_path / "d", cache_dir, "data.target_states=disk",
+                           f"data.target_states_dir={hs}", "data.target_states_dtype=float32", "eval.peer_runs=[]"))
 
 
 @pytest.mark.slow
 def test_eagle3_trains_on_its_three_layer_cache_as_in_memory(tmp_path, cache_dir):
     """``train/cache_hidden_states.py --config-name eagle3`` caches the drafter's three layers; training on that
     cache follows the in-memory curve."""
-    own = ["eagle3.ttt_steps=2", "eval.peer_runs=[]", "data.hidden_states_dtype=float32"]
-    hs = f"data.hidden_states_dir={tmp_path / 'hs'}"
+    own = ["eagle3.ttt_steps=2", "eval.peer_runs=[]", "data.target_states_dtype=float32"]
+    hs = f"data.target_states_dir={tmp_path / 'hs'}"
     folder = cache_states(short("eagle3", tmp_path / "a", cache_dir, *own, hs))
     assert json.loads((Path(folder) / "manifest.json").read_text())["spec"]["layer_ids"] == [0, 2, 3]
-    offline = run_eagle3(short("eagle3", tmp_path / "b", cache_dir, *own, hs, "data.hidden_states=offline"))
+    disk = run_eagle3(short("eagle3", tmp_path / "b", cache_dir, *own, hs, "data.target_states=disk"))
     memory = run_eagle3(short("eagle3", tmp_path / "c", cache_dir, *own))
-    a, b = offline["train_curves"]["eagle3"], memory["train_curves"]["eagle3"]
+    a, b = disk["train_curves"]["eagle3"], memory["train_curves"]["eagle3"]
     assert [x["step"] for x in a] == [x["step"] for x in b] and a
     assert [x["eagle3/loss"] for x in a] == pytest.approx([x["eagle3/loss"] for x in b], rel=1e-4)
 
@@ -154,13 +154,13 @@ def test_eagle3_trains_on_its_three_layer_cache_as_in_memory(tmp_path, cache_dir
 def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):
     """accelerate launch with 2 processes: each writes its shards; the cache equals a 1-process build."""
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
-    common = ["+experiment=smoke", "data.cache_shard_rows=8", "data.hidden_states_dtype=float32",
+    common = ["+experiment=smoke", "data.cache_shard_rows=8", "data.target_states_dtype=float32",
               f"cache_dir={cache_dir}"]
     stdout = {}
     for procs, name in ((["--multi_gpu", "--num_processes", "2"], "two"), (["--num_processes", "1"], "one")):
         cmd = [sys.executable, "-m", "accelerate.commands.launch", *procs, "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / "cache_hidden_states.py"),
-               *common, f"output_dir={tmp_path / name}", f"data.hidden_states_dir={tmp_path / name / 'hs'}"]
+               *common, f"output_dir={tmp_path / name}", f"data.target_states_dir={tmp_path / name / 'hs'}"]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout[name] = proc.stdout
@@ -223,11 +223,11 @@ def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_d
     """target_backend=vllm: vLLM's states (its layer ids mapped to ours, the last state normed here) equal the
     in-process target's within float32 noise, in a cache training accepts; a run on the partial target trained
     from it follows the run trained from the in-process cache."""
-    own = [*VLLM_TINY, "data.hidden_states_dtype=float32", "data.cache_shard_rows=16", "eval.peer_runs=[]",
+    own = [*VLLM_TINY, "data.target_states_dtype=float32", "data.cache_shard_rows=16", "eval.peer_runs=[]",
            *VLLM_CACHE_OWN[job]]
     ours, theirs = tmp_path / "hs-transformers", tmp_path / "hs-vllm"
-    cache_states(short(job, tmp_path / "a", cache_dir, *own, f"data.hidden_states_dir={ours}"))
-    cache_states(short(job, tmp_path / "b", cache_dir, *own, f"data.hidden_states_dir={theirs}", "target_backend=vllm",
+    cache_states(short(job, tmp_path / "a", cache_dir, *own, f"data.target_states_dir={ours}"))
+    cache_states(short(job, tmp_path / "b", cache_dir, *own, f"data.target_states_dir={theirs}", "target_backend=vllm",
                        f"vllm.venv={VLLM_VENV}"))
     a, b = (json.loads((f / "manifest.json").read_text()) for f in (ours, theirs))
     assert a["spec"] == b["spec"] and a["num_rows"] == b["num_rows"]
@@ -237,8 +237,8 @@ def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_d
         assert x.keys() == y.keys()
         worst = max(worst, *((x[k] - y[k]).abs().max().item() / x[k].abs().max().item() for k in x))
     assert worst < 1e-3, worst
-    trained = [train(job, short(job, tmp_path / name, cache_dir, *own, "data.hidden_states=offline",
-                                f"data.hidden_states_dir={hs}", "model.partial=true"))
+    trained = [train(job, short(job, tmp_path / name, cache_dir, *own, "data.target_states=disk",
+                                f"data.target_states_dir={hs}", "model.partial=true"))
                for name, hs in (("c", ours), ("d", theirs))]
     first, second = ([p[k] for p in next(iter(r["train_curves"].values())) for k in p if k.endswith("/loss")]
                      for r in trained)

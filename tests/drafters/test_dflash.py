@@ -313,7 +313,7 @@ def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online)
     assert_packed_trains_as_padded(DFlashTraining(drafter, model, 4, 4.0, online), rows)
 
 
-def test_online_features_train_like_offline_ones(tiny):
+def test_online_features_train_like_computed_ones(tiny):
     """The online mode (target forward per batch) computes the same loss as cached features."""
     from draftheads.data.batching import collate
     from draftheads.data.hidden_states import attach_hidden_states
@@ -321,12 +321,12 @@ def test_online_features_train_like_offline_ones(tiny):
     rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
     torch.manual_seed(0)
     drafter = DFlashDraftModel.for_target(model, 1, 6, [1, 3], 3)
-    offline, online = (DFlashTraining(drafter, model, 8, 4.0, online=o) for o in (False, True))
+    computed, online = (DFlashTraining(drafter, model, 8, 4.0, online=o) for o in (False, True))
     attach_hidden_states(model, rows, 2, tok.pad_token_id, False, layer_ids=[1, 3])
     batch = collate(rows, tok.pad_token_id)
     losses = []
-    for strategy, b in ((offline, batch), (online, {k: v for k, v in batch.items() if k != "target_features"})):
+    for strategy, b in ((computed, batch), (online, {k: v for k, v in batch.items() if k != "target_features"})):
         torch.manual_seed(1)  # the same anchors
         losses.append(strategy.forward_loss(strategy.module, b)[0])
     torch.testing.assert_close(losses[0], losses[1])
-    assert "target_features" in offline.required_fields and "target_features" not in online.required_fields
+    assert "target_features" in computed.required_fields and "target_features" not in online.required_fields

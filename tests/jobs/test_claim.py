@@ -26,12 +26,12 @@ def old_run(out, report: dict = FINISHED):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hidden_states, kept", [("memory", set()), ("offline", {"hidden_states"})])
-def test_an_overwriting_run_keeps_nothing_of_the_old_one_but_the_state_cache_it_reads(hidden_states, kept, tmp_path,
+@pytest.mark.parametrize("target_states, kept", [("memory", set()), ("disk", {"hidden_states"})])
+def test_an_overwriting_run_keeps_nothing_of_the_old_one_but_the_state_cache_it_reads(target_states, kept, tmp_path,
                                                                                         cache_dir):
     out = old_run(tmp_path / "run")
     with pytest.raises(ValueError, match="num_val_prompts"):  # interrupted right after the claim
-        run_medusa(smoke("medusa", out, cache_dir, "overwrite=true", f"data.hidden_states={hidden_states}",
+        run_medusa(smoke("medusa", out, cache_dir, "overwrite=true", f"data.target_states={target_states}",
                          "data.num_val_prompts=0"))
     assert {p.name for p in out.iterdir()} == {"config.yaml", "target.json", "report.json", *kept}
     assert "old" not in {(out / name).read_text() for name in ("config.yaml", "target.json")}
@@ -76,10 +76,10 @@ def test_the_state_cache_and_its_training_run_share_one_output_dir_and_no_cache_
     target.json unchanged (a run of another target once took such a folder for a peer of its own)."""
     out = tmp_path / "run"
     short = ["stage1.epochs=1", "stage2.enabled=false", "eval.enabled=false", "data.num_train_prompts=16",
-             "data.num_val_prompts=4", "data.hidden_states_dtype=float32"]
+             "data.num_val_prompts=4", "data.target_states_dtype=float32"]
     for _ in range(2):
         cache_states(smoke("medusa", out, cache_dir, *short))
-    report = run_medusa(smoke("medusa", out, cache_dir, *short, "data.hidden_states=offline"))
+    report = run_medusa(smoke("medusa", out, cache_dir, *short, "data.target_states=disk"))
     assert report["finished"] == ["training", "validation", "save", "export"]
     record = {name: (out / name).read_bytes() for name in ("config.yaml", "target.json")}
     with pytest.raises(FileExistsError, match="holds a training run .*: overwrite=true starts afresh there") as refused:

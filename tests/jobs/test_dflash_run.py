@@ -77,13 +77,13 @@ def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cac
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("features", ["precomputed", "online"])
-def test_padded_dflash_runs_train_and_resume_to_the_same_drafter(features, dflash_run, tmp_path, cache_dir):
+@pytest.mark.parametrize("target_states", ["memory", "online"])
+def test_padded_dflash_runs_train_and_resume_to_the_same_drafter(target_states, dflash_run, tmp_path, cache_dir):
     """``trainer.tokens_per_batch=null``: batches of 8 rows, padded, features cached or from a padded target
     forward; the loss falls, held-out accuracy is about the default packed run's, decoding stays lossless, and a
     run cut at a checkpoint and resumed ends with the same drafter."""
     own = ("train.epochs=6", "dflash.block_size=8", "eval.peer_runs=[]", "trainer.tokens_per_batch=null",
-           f"dflash.features={features}", "trainer.keep_last=100")
+           f"data.target_states={target_states}", "trainer.keep_last=100")
     out = tmp_path / "padded"
     report = run_dflash(cfg("dflash", out, cache_dir, *own))
     curve = [h["dflash/loss"] for h in report["train_curves"]["dflash"]]

@@ -1,5 +1,5 @@
 """A partial target (``model.partial=true``): the input embedding, final norm and LM head only (and the last N
-layers Medusa's stage 2 trains), read from the checkpoint; runs trained from the offline state cache with it never load the whole target, and train exactly
+layers Medusa's stage 2 trains), read from the checkpoint; runs trained from the state cache with it never load the whole target, and train exactly
 what the whole target trains."""
 
 import json
@@ -61,7 +61,7 @@ files a run saves that must be the same from the partial target as from the whol
 
 def _job(job, out, cache_dir, hs, *overrides):
     return smoke(job.removesuffix("2"), out, cache_dir, *JOBS[job][0], "eval.enabled=false",
-                 f"data.hidden_states_dir={hs}", "data.hidden_states_dtype=float32", *overrides)
+                 f"data.target_states_dir={hs}", "data.target_states_dtype=float32", *overrides)
 
 
 def test_every_registered_drafter_trains_on_the_partial_target_here():
@@ -75,9 +75,9 @@ def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target
     target, file by file, as the whole target's ``save_pretrained`` writes it."""
     hs, saved = tmp_path / "hs", JOBS[job][1]
     cache_states(_job(job, tmp_path / "cache", cache_dir, hs))
-    whole = train(job.removesuffix("2"), _job(job, tmp_path / "whole", cache_dir, hs, "data.hidden_states=offline"))
+    whole = train(job.removesuffix("2"), _job(job, tmp_path / "whole", cache_dir, hs, "data.target_states=disk"))
     _no_whole_target(monkeypatch)
-    part = train(job.removesuffix("2"), _job(job, tmp_path / "part", cache_dir, hs, "data.hidden_states=offline",
+    part = train(job.removesuffix("2"), _job(job, tmp_path / "part", cache_dir, hs, "data.target_states=disk",
                                              "model.partial=true"))
     def curves(report):
         return {stage: [{k: v for k, v in point.items() if not k.startswith("perf/")} for point in curve]
@@ -93,8 +93,8 @@ def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["data.hidden_states=memory"], "data.hidden_states=offline"),
-    (["data.hidden_states=offline", "eval.enabled=true"], "eval.enabled=false"),
+    (["data.target_states=memory"], "data.target_states=disk"),
+    (["data.target_states=disk", "eval.enabled=true"], "eval.enabled=false"),
 ])
 def test_what_needs_the_decoder_layers_is_refused_before_any_work(overrides, message, tmp_path, cache_dir):
     conf = smoke("medusa", tmp_path / "run", cache_dir, "eval.enabled=false", "stage2.enabled=false",
@@ -105,12 +105,12 @@ def test_what_needs_the_decoder_layers_is_refused_before_any_work(overrides, mes
 
 
 def test_online_features_and_regeneration_are_refused_naming_the_fix(tmp_path, cache_dir):
-    with pytest.raises(ValueError, match="dflash.features=precomputed"):
+    with pytest.raises(ValueError, match="data.target_states=online.*use data.target_states=disk"):
         run_dflash(smoke("dflash", tmp_path / "a", cache_dir, "eval.enabled=false", "model.partial=true",
-                         "data.hidden_states=offline", "dflash.features=online"))
+                         "data.target_states=online"))
     with pytest.raises(ValueError, match="regenerate them first"):  # a fresh cache: nothing regenerated yet
         run_medusa(smoke("medusa", tmp_path / "b", tmp_path / "fresh-cache", "eval.enabled=false",
-                         "stage2.enabled=false", "model.partial=true", "data.hidden_states=offline"))
+                         "stage2.enabled=false", "model.partial=true", "data.target_states=disk"))
     with pytest.raises(ValueError, match="model.partial=false"):
         cache_states(smoke("medusa", tmp_path / "c", cache_dir, "model.partial=true"))
 
@@ -118,8 +118,8 @@ def test_online_features_and_regeneration_are_refused_naming_the_fix(tmp_path, c
 def test_a_partial_target_trains_under_fsdp2_on_two_processes(tmp_path, cache_dir):
     hs = tmp_path / "hs"
     cache_states(_job("medusa", tmp_path / "cache", cache_dir, hs))
-    own = [*SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", f"data.hidden_states_dir={hs}",
-           "data.hidden_states_dtype=float32", "data.hidden_states=offline"]
+    own = [*SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", f"data.target_states_dir={hs}",
+           "data.target_states_dtype=float32", "data.target_states=disk"]
     part = launch("medusa", tmp_path / "part", cache_dir, *own, "model.partial=true", engine="fsdp")
     whole = launch("medusa", tmp_path / "whole", cache_dir, *own, engine="fsdp")
     losses = [[p["stage1/loss"] for p in r["train_curves"]["stage1"]] for r in (part, whole)]

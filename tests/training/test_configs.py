@@ -63,15 +63,14 @@ def test_every_registered_drafter_has_a_config_and_records_its_name():
     ("medusa", "trainer.nonfinite=sikp", "stop, skip"),
     ("medusa", "trainer.mixed_precision=bf32", "bf16, fp16, no"),
     ("medusa", "tracker.name=mlflow", "wandb, tensorboard, none"),
-    ("medusa", "data.hidden_states=disk", "memory, offline"),
-    ("medusa", "data.hidden_states_dtype=fp8", "float32, bfloat16, float16"),
+    ("medusa", "data.target_states=offline", "online, memory, disk"),
+    ("medusa", "data.target_states_dtype=fp8", "float32, bfloat16, float16"),
     ("medusa", "data.overlong=cut", "truncate, drop"),
     ("medusa", "data.train_on=first", "all, last"),
     ("medusa", "data.system=merge", "auto, keep, fold, drop"),
     ("medusa", "data.format=csv", "auto, messages, sharegpt, prompt, tokenized"),
     ("medusa", "data.source=s3", "chitchat, humaneval, jsonl, hub"),
     ("medusa", "model.dtype=int8", "float32, bfloat16, float16"),
-    ("dflash", "dflash.features=offline", "precomputed, online"),
     ("dflash", "dflash.attention=xformers", "auto, flex, sdpa"),
 ])
 def test_a_choice_outside_its_words_fails_when_the_config_is_composed(job, override, valid):
@@ -86,6 +85,26 @@ def test_unknown_key_is_an_error():
         _compose("trainer.learning_rate=1e-3")
     with pytest.raises(ValueError, match=r"trainer\.learning_rate"):
         to_schema(_compose("+trainer.learning_rate=1e-3"))  # even when forced: the schema has no such field
+
+
+@pytest.mark.parametrize("job, old, new", [
+    ("medusa", "data.hidden_states=offline", "data.target_states (memory as before; offline is now disk)"),
+    ("medusa", "data.hidden_states_dir=/scratch/hs", "data.target_states_dir"),
+    ("medusa", "data.hidden_states_dtype=float32", "data.target_states_dtype"),
+    ("medusa", "trainer.hidden_states_batch_size=4", "data.target_batch_size"),
+    ("dflash", "dflash.features=online", "data.target_states (precomputed is now memory or disk"),
+    ("eagle3", "eagle3.features=precomputed", "data.target_states (precomputed is now memory or disk"),
+])
+def test_a_removed_key_is_refused_naming_its_successor(job, old, new):
+    """One knob says where the target's states come from: the keys it replaced compose, then are refused."""
+    with pytest.raises(ValueError, match=re.escape(f"{old.split('=')[0]} is now {new}")):
+        to_schema(_compose(old, job=job))
+
+
+def test_medusa_refuses_online_target_states_before_any_work(tiny):
+    from draftheads.drafters.medusa.recipe import MEDUSA
+    with pytest.raises(ValueError, match="data.target_states=online: Medusa.*memory \\(the default\\) or disk"):
+        MEDUSA.check(to_schema(_compose("+experiment=smoke", "data.target_states=online")), tiny[0])
 
 
 def test_wrong_type_is_an_error():

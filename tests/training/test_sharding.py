@@ -106,8 +106,8 @@ def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir
     own = FEATURE_DRAFTERS[job]
     ref = launch(job, tmp_path / "ddp", cache_dir, *own)
     ref_weights = weights(tmp_path / "ddp" / "export" / job)
-    for engine, features in (("fsdp", "precomputed"), ("zero3", "online")):
-        report = launch(job, tmp_path / engine, cache_dir, *own, f"{job}.features={features}", engine=engine)
+    for engine, target_states in (("fsdp", "memory"), ("zero3", "online")):
+        report = launch(job, tmp_path / engine, cache_dir, *own, f"data.target_states={target_states}", engine=engine)
         assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
         # EAGLE-3's unrolled steps amplify float32 reduction-order differences (1.4e-5 in an MLP weight after 36
         # AdamW steps at the smoke rate; the curves agree to 1e-5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftheads.choice import Choice
-from draftheads.training.config import Features, RunConfig, StageConfig
+from draftheads.training.config import RunConfig, StageConfig
 
 
 class Attention(Choice):
@@ -35,10 +35,8 @@ class DFlashConfig:
     attention: Attention = Attention.auto
     """Training attention over many blocks: flex (block-sparse flex_attention, compiled), sdpa (dense boolean
     mask), auto (flex on GPUs, sdpa on CPUs)."""
-    features: Features = Features.precomputed
-    """precomputed: the target's features for every row computed once before training (or read from the
-    offline state cache, ``data.hidden_states=offline``) and kept in memory; online: a target forward (no
-    autograd) per batch (less memory, more compute)."""
+    features: str | None = None
+    """Removed (``RENAMED`` in draftheads/training/config.py): ``data.target_states``."""
     denoise_steps: int = 4
     """Also evaluate iterative denoising with this many passes per block (greedy only); 1 skips it."""
     denoise_confidence: float = 0.9

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftheads.training.config import Features, RunConfig, StageConfig
+from draftheads.training.config import RunConfig, StageConfig
 
 
 @dataclass
@@ -25,9 +25,8 @@ class Eagle3Config:
     the weights' sum."""
     gamma: int = 5
     """Draft length when decoding: tokens proposed per verification (vLLM's ``num_speculative_tokens``)."""
-    features: Features = Features.precomputed
-    """precomputed: the target's layer outputs for every row computed once before training (or read from the
-    state cache) and kept in memory; online: a target forward (no autograd) per batch."""
+    features: str | None = None
+    """Removed (``RENAMED`` in draftheads/training/config.py): ``data.target_states``."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from draftheads.models.partial import hold_layers, is_partial, save_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
+from draftheads.training.config import TargetStates
 from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.spine import fit
 
@@ -36,8 +37,11 @@ class Medusa(Recipe):
     vllm_weights = "export/vllm"
 
     def check(self, conf: MedusaRunConfig, target) -> None:
-        """Stage 2's unfrozen layers exist."""
+        """Stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them every epoch)."""
         check_unfreeze(target, conf.stage2)
+        if conf.data.target_states == TargetStates.online:
+            raise ValueError("data.target_states=online: Medusa's heads read the target's states every epoch, "
+                             "computed once: use memory (the default) or disk")
 
     def state_layers(self, conf: MedusaRunConfig, target) -> tuple[int, ...] | None:
         """The last hidden state; with stage 2, the outputs of the layer before the trained ones and of the last
@@ -87,7 +91,7 @@ class Medusa(Recipe):
         """Head accuracies and the target's drift; the heads' rank accuracies go into ``trained.saved``."""
         split_states(rows, job.target.get_decoder().norm)
         s2 = job.conf.stage2
-        val, rank_accuracy = validate(job.target, trained.model, rows, job.conf.trainer.hidden_states_batch_size,
+        val, rank_accuracy = validate(job.target, trained.model, rows, job.conf.data.target_batch_size,
                                       job.tokenizer.pad_token_id, s2.unfreeze_last_n_layers if s2.enabled else 0)
         trained.saved["head_rank_accuracy"] = rank_accuracy
         return val
