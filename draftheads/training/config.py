@@ -358,6 +358,9 @@ class RegenerateConfig:
     """``train/regenerate.py``: a dataset answered by the target, turn by turn, written as JSONL."""
     model: TargetSpec = field(default_factory=TargetSpec)
     data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Not read here: declared so that a target's preset sizing the training jobs as well
+    (``conf/model/gemma3.yaml`` sets ``trainer.tokens_per_batch``) composes with regeneration too."""
     output: str = "regenerated.jsonl"
     """Output JSONL (``messages`` per conversation); resumable: a rerun continues it."""
     limit: int | None = None

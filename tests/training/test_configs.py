@@ -10,7 +10,7 @@ from omegaconf.errors import MissingMandatoryValue, ValidationError
 
 from draftheads.drafters import DRAFTERS, get, register_configs
 from draftheads.drafters.medusa.config import MedusaRunConfig
-from draftheads.training.config import to_schema
+from draftheads.training.config import RegenerateConfig, to_schema
 from tests.helpers import ROOT
 
 CONF = ROOT / "conf"
@@ -153,6 +153,8 @@ def test_every_group_preset_composes(group, preset):
     extra = ["model.name_or_path=org/model"] if (group, preset) == ("model", "hf") else []  # hf names no model
     cfg = to_schema(_compose(f"{group}={preset}", *extra))
     assert isinstance(cfg, MedusaRunConfig)
+    if group in ("model", "data"):  # train/regenerate.py takes the same target and data presets
+        assert isinstance(to_schema(_compose(f"{group}={preset}", *extra, job="regenerate")), RegenerateConfig)
 
 
 LAUNCH = ROOT / "launch"
