@@ -71,6 +71,18 @@ class MixedPrecision(Choice):
     no = "no"
 
 
+class Optimizer(Choice):
+    """The optimizer (``trainer.optimizer``), at ``trainer.lr`` and ``trainer.weight_decay`` either way."""
+    adamw = "adamw"
+    """AdamW (torch's, default betas) on every trainable parameter."""
+    muon = "muon"
+    """Muon (Jordan et al. 2024; torch's, momentum 0.95 Nesterov, 5 Newton-Schulz steps) on the hidden 2-D weight
+    matrices, AdamW on embeddings, LM heads, norms and biases (``draftheads/training/optimizer.py``). Muon's rate is
+    matched to AdamW's update RMS (Liu et al. 2025, "Muon is scalable for LLM training"), so the ``trainer.lr`` and
+    ``weight_decay`` tuned for AdamW carry over, by their finding. DDP or one process only (refused under FSDP and
+    DeepSpeed)."""
+
+
 class NonFinite(Choice):
     """What a NaN/inf loss does (``trainer.nonfinite``)."""
     stop = "stop"
@@ -233,6 +245,8 @@ class StageConfig:
 class TrainerConfig:
     """Optimisation and the checkpoint policy, shared by every stage and drafter."""
     lr: float = 1e-3
+    optimizer: Optimizer = Optimizer.adamw
+    """adamw, or muon on hidden weight matrices with AdamW on the rest (:class:`Optimizer`)."""
     mixed_precision: MixedPrecision = MixedPrecision.bf16
     """Autocast for training forwards: bf16, fp16 or no. Weights and optimizer states stay float32; the
     LM-head projections that dominate head training run ~2.4x faster in bf16 even on AVX512-BF16 CPUs."""

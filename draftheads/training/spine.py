@@ -1,7 +1,7 @@
 """The training spine: one loop for every drafter and stage.
 
 A :class:`Strategy` says what differs (the trainable module and its parameter groups, forward + loss,
-which batch fields it needs); the spine does the rest the same way for all: per-rank data, AdamW with
+which batch fields it needs); the spine does the rest the same way for all: per-rank data, the optimizer with
 warmup + cosine, gradient accumulation and clipping, metrics, checkpoints and exact resume.
 """
 
@@ -24,6 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from draftheads.data.batching import BatchPlan, rows_sha256
 from draftheads.training.checkpoint import check_plan, save_checkpoint
+from draftheads.training.optimizer import make_optimizer
 from draftheads.training.sharding import configure_engine, full_state_dict, plain_twin, sharded
 
 
@@ -45,7 +46,7 @@ class Strategy(Protocol):
     packed batches keep rows times the longest row within the token budget."""
 
     def param_groups(self, lr: float) -> list[dict]:
-        """AdamW parameter groups (``params`` and ``lr`` each)."""
+        """Parameter groups (``params`` and ``lr`` each; :func:`~draftheads.training.optimizer.make_optimizer`)."""
 
     def forward_loss(self, module: nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Scalar loss and detached metric tensors for one micro-batch (``module`` is the wrapped one)."""
@@ -134,7 +135,7 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
 
     configure_engine(accelerator, trainer)
     twin = plain_twin(strategy.module) if sharded(accelerator) else None
-    optimizer = torch.optim.AdamW(strategy.param_groups(trainer.lr), weight_decay=trainer.weight_decay)
+    optimizer = make_optimizer(trainer, strategy.module, strategy.param_groups(trainer.lr), sharded(accelerator))
     scheduler = get_cosine_schedule_with_warmup(optimizer, int(trainer.warmup_ratio * total_steps), total_steps)
     # A prepared scheduler is stepped num_processes times per step by accelerate; ours steps once per
     # optimizer step, unprepared, and is checkpointed inside the TrainState.

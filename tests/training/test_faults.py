@@ -205,11 +205,12 @@ def test_a_job_resumes_before_a_damaged_checkpoint_and_refuses_another_seed(tmp_
 
 
 @pytest.mark.slow
-def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_dir):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_dir, optimizer):
     """The smoke Medusa job (stage 1 only) is killed with SIGKILL right after its second checkpoint and resumed:
-    its heads equal, bit for bit, those of the same job never interrupted."""
+    its heads equal, bit for bit, those of the same job never interrupted, with either ``trainer.optimizer``."""
     args = ["+experiment=smoke", *SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", "export=false",
-            "trainer.checkpoint_every=3", f"cache_dir={cache_dir}"]
+            "trainer.checkpoint_every=3", f"trainer.optimizer={optimizer}", f"cache_dir={cache_dir}"]
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
 
     def launch(out: Path, *extra: str) -> subprocess.Popen:
@@ -227,6 +228,8 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_d
     proc.wait()
     steps = [meta["step"] for _, meta in complete_checkpoints(killed)]
     assert steps and max(steps) < 24, steps  # killed mid-stage (24 steps in all)
+    saved = torch.load(complete_checkpoints(killed)[-1][0] / "optimizer.bin", weights_only=True)
+    assert ("muon" in saved) == (optimizer == "muon")  # the state resumed is the optimizer's named
     for out, extra in ((killed, ("resume=true",)), (tmp_path / "whole", ())):
         proc = launch(out, *extra)
         assert proc.wait(timeout=600) == 0, proc.stderr.read()[-2000:]
