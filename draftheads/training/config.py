@@ -401,8 +401,12 @@ RENAMED = {"data.hidden_states": "data.target_states (memory as before; offline 
            "data.hidden_states_dir": "data.target_states_dir", "data.hidden_states_dtype": "data.target_states_dtype",
            "trainer.hidden_states_batch_size": "data.target_batch_size",
            "dflash.features": "data.target_states (precomputed is now memory or disk; online stays online)",
-           "eagle3.features": "data.target_states (precomputed is now memory or disk; online stays online)"}
-"""Keys that were one knob's halves or said "hidden states" for the target's states, and what replaced them:
+           "eagle3.features": "data.target_states (precomputed is now memory or disk; online stays online)",
+           "medusa.decay": "medusa.position_decay (the same form: head k weighs position_decay ** k)",
+           "eagle3.step_decay": "eagle3.position_decay (the same weights: step k weighs position_decay ** k)",
+           "dflash.loss_decay": "dflash.position_decay (exp(-(k-1)/d) is position_decay = exp(-1/d))"}
+"""Keys that were one knob's halves, said "hidden states" for the target's states, or named per-position loss
+weights three ways, and what replaced them:
 still declared (None) so that a config setting one composes, then is refused naming its successor."""
 
 

@@ -1,4 +1,4 @@
-"""Cross-entropy through an LM head without the ``[tokens, V]`` logits: a chunked, fused linear cross-entropy.
+"""A drafter's objective through an LM head without the ``[tokens, V]`` logits: a chunked, fused linear loss.
 
 A drafter's loss is dominated by its LM head: ``N`` positions x ``V`` tokens of float32 logits, kept by autograd
 for the backward pass (16k positions x 128k vocabulary x 4 bytes = 8 GB per head). Here the logits of
@@ -8,56 +8,79 @@ weighted sum whose weights are known up front, so the backward pass only scales 
 memory grows with the chunk, not with ``N``, and the products are the three autograd would run. The same idea as
 liger-kernel's fused linear cross-entropy (in plain PyTorch, so it runs on any device) and Apple's
 cut-cross-entropy (Wijmans et al., arXiv 2411.09009).
+
+A distillation objective (:mod:`draftheads.training.objectives`) reads the target's distribution at the same
+positions: the target's logits are made chunk by chunk beside the drafter's from the target's LM head and its
+last hidden states, and the objective's gradient in the chunk's logits is taken by autograd there.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
+
+from draftheads.training.objectives import PositionWeights, chain_weights, loss_mix, normalise, position_losses
 
 CHUNK_BYTES = 256 * 2 ** 20
 """Float32 logits made at once (256 MiB: 1,365 positions of a 49k vocabulary, 523 of a 128k one; smaller chunks
 ran slower on CPUs, ``tests/benchmarks/bench_lm_head_loss.py``)."""
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
+class _LinearLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, scale, chunk, k, needs):
+    def forward(ctx, hidden, weight, bias, labels, scale, chunk, k, needs, teacher, mix, temperature):
         n = hidden.shape[0]
         ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        losses = ce if teacher is None else torch.empty(n, dtype=torch.float32, device=hidden.device)
+        alpha = torch.empty(n if teacher is not None else 0, dtype=torch.float32, device=hidden.device)
         top = torch.empty(n, k, dtype=torch.long, device=hidden.device)
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if needs[0] else None  # one rounding, at the end
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
         grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs[2] else None
         for s in range(0, n, chunk):
-            h, y = hidden[s:s + chunk], labels[s:s + chunk]
+            h, y, w = hidden[s:s + chunk], labels[s:s + chunk], scale[s:s + chunk, None]
             logits = _logits(h, weight, bias)
             lse = logits.logsumexp(-1, keepdim=True)
             ce[s:s + chunk] = (lse - logits.gather(1, y[:, None]))[:, 0]
             top[s:s + chunk] = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
-            if any(needs):
+            if teacher is not None:
+                # the objective's gradient in the logits, by autograd on this chunk alone
+                th, tw, tb = teacher
+                leaf = logits.detach().requires_grad_(any(needs))
+                with torch.enable_grad():
+                    loss, alpha[s:s + chunk] = position_losses(leaf, y, _logits(th[s:s + chunk], tw, tb), mix,
+                                                               temperature)
+                    losses[s:s + chunk] = loss.detach()
+                    if any(needs):
+                        g = torch.autograd.grad((loss * w[:, 0]).sum(), leaf)[0]
+            elif any(needs):
                 # d ce / d logits = softmax - onehot(label); the weight scales the [chunk, D] side of each product
                 g = logits.sub_(lse).exp_()
                 g[torch.arange(len(h), device=g.device), y] -= 1
-                w = scale[s:s + chunk, None]
-                if needs[0]:
-                    grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).float() * w
-                if needs[1]:
-                    grad_w.addmm_(g.t(), h.float() * w)
-                if needs[2]:
-                    grad_b += (g * w).sum(0)
+            if not any(needs):
+                continue
+            ws = 1 if teacher is not None else w  # a distillation objective's g is weighted already
+            if needs[0]:
+                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).float() * ws
+            if needs[1]:
+                grad_w.addmm_(g.t(), h.float() * ws)
+            if needs[2]:
+                grad_b += (g * ws).sum(0)
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        ctx.mark_non_differentiable(ce, top)
-        return (ce * scale).sum(), ce, top
+        losses = ce.clone() if teacher is None else losses
+        ctx.mark_non_differentiable(losses, ce, top, alpha)
+        return (losses * scale).sum(), losses, ce, top, alpha
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_ce, _grad_top):
+    def backward(ctx, grad_loss, *_):
         grad_h, grad_w, grad_b = ctx.saved_tensors
         return (None if grad_h is None else (grad_h * grad_loss).to(ctx.dtypes[0]),
                 None if grad_w is None else (grad_w * grad_loss).to(ctx.dtypes[1]),
                 None if grad_b is None else (grad_b * grad_loss).to(ctx.dtypes[2]),
-                None, None, None, None, None)
+                *[None] * 8)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,11 +89,27 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return (logits if bias is None else logits + bias).float()
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         bias: torch.Tensor | None = None, weights: torch.Tensor | None = None, k: int = 5,
-                         chunk_bytes: int = CHUNK_BYTES) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The weighted cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, per-position losses and
-    the top-k tokens, without materialising the logits.
+class LinearLoss(NamedTuple):
+    """What :func:`linear_loss` returns."""
+    loss: torch.Tensor
+    """float32 scalar ``sum(weights * losses)``, differentiable."""
+    losses: torch.Tensor
+    """``[N]`` float32, the objective at each position (the cross-entropy for ``ce``); not differentiable."""
+    ce: torch.Tensor
+    """``[N]`` float32 cross-entropy on the labels (``logsumexp(logits) - logits[label]``, as
+    ``F.cross_entropy(reduction="none")`` on float32 logits), whatever the objective; not differentiable."""
+    top: torch.Tensor
+    """``[N, k]`` int64, the top-k tokens."""
+    alpha: torch.Tensor | None
+    """``[N]`` float32 ``sum_v min(p_v, q_v)`` at the objective's temperature (None without a teacher)."""
+
+
+def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None, k: int = 5, teacher: tuple | None = None,
+                mix: dict[str, float] | None = None, temperature: float = 1.0,
+                chunk_bytes: int = CHUNK_BYTES) -> LinearLoss:
+    """The weighted objective of the logits ``hidden @ weight.T (+ bias)`` at ``N`` positions, per-position
+    values and top-k tokens, without materialising the logits.
 
     Args:
         hidden: ``[N, D]`` LM-head inputs (any float dtype; differentiable).
@@ -80,42 +119,76 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         weights: ``[N]`` each position's weight in the loss (constants; default 1: the sum), e.g. ``1/N`` for
             the mean.
         k: top-k tokens returned per position (for top-1/top-5 accuracy), at most V.
-        chunk_bytes: float32 logits made at once.
-    Returns:
-        ``loss`` (float32 scalar, ``sum(weights * ce)``, differentiable), ``ce`` ``[N]`` float32 per position
-        (``logsumexp(logits) - logits[label]``, as ``F.cross_entropy(reduction="none")`` on float32 logits; not
-        differentiable) and ``top`` ``[N, k]`` int64.
-    Raises ``ValueError`` for a label outside the vocabulary.
+        teacher: ``(hidden [N, Dt], weight [V, Dt], bias [V] or None)``, the target's LM head and its inputs at
+            the same positions, over the same V tokens (constants); None: ``mix`` is ``ce`` alone.
+        mix: the objective ``{name: weight}`` (:func:`~draftheads.training.objectives.loss_mix`; default ``ce``).
+        temperature: both distributions' in a distillation objective.
+        chunk_bytes: float32 logits made at once (a distillation objective makes about six such tensors).
+    Returns :class:`LinearLoss`. Gradients are made chunk by chunk in the forward pass (closed form for ``ce``,
+    autograd on the chunk's logits otherwise), so neither model's ``[N, V]`` logits ever exist at once.
+    Raises ``ValueError`` for a label outside the vocabulary, or a distillation objective without a teacher.
     """
     V = weight.shape[0]
     if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < V:
         raise ValueError(f"labels must lie in 0..{V - 1}; got {int(labels.min())}..{int(labels.max())}")
+    mix = mix or {"ce": 1.0}
+    if teacher is None and set(mix) != {"ce"}:
+        raise ValueError(f"the objective {mix} reads the target's distribution: give its LM head and states")
+    if teacher is not None:
+        teacher = tuple(None if t is None else t.detach() for t in teacher)
     scale = (torch.ones(len(labels), device=hidden.device) if weights is None
              else weights.detach().to(hidden.device, torch.float32))
     grad = torch.is_grad_enabled()
     needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
-    chunk = max(1, chunk_bytes // (4 * V))
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, scale, chunk, min(k, V), needs)
+    chunk = max(1, chunk_bytes // (4 * V * (1 if teacher is None else 6)))
+    out = _LinearLoss.apply(hidden, weight, bias, labels, scale, chunk, min(k, V), needs, teacher, mix,
+                            temperature)
+    return LinearLoss(*out[:4], out[4] if teacher is not None else None)
 
 
 class LMHead(nn.Linear):
     """A drafter's own trainable LM head (EAGLE-3's, Medusa's per-head ones): an ``nn.Linear`` (same parameters
-    and names) whose forward, given ``labels``, returns :func:`linear_cross_entropy` instead of logits. The loss
-    runs inside the module's own forward so that sharding engines gather its weight there (ZeRO-3 and FSDP
-    gather a module's parameters for its forward; reading ``.weight`` outside it would see a shard)."""
+    and names) whose forward, given ``labels``, returns :func:`linear_loss` instead of logits. The loss runs
+    inside the module's own forward so that sharding engines gather its weight there (ZeRO-3 and FSDP gather a
+    module's parameters for its forward; reading ``.weight`` outside it would see a shard)."""
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                weights: torch.Tensor | None = None, k: int = 5):
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None, **loss):
         if labels is None:
             return super().forward(hidden)
-        return linear_cross_entropy(hidden, self.weight, labels, self.bias, weights, k)
+        return linear_loss(hidden, self.weight, labels, self.bias, **loss)
 
 
-def head_cross_entropy(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None,
-                       k: int = 5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`linear_cross_entropy` through ``head``: a drafter's :class:`LMHead` (inside its forward), or a
-    target's frozen ``nn.Linear`` LM head (its weight read directly: the target stays outside the engines)."""
+def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **loss) -> LinearLoss:
+    """:func:`linear_loss` (``loss``: its keyword arguments) through ``head``: a drafter's :class:`LMHead`
+    (inside its forward), or a target's frozen ``nn.Linear`` LM head (its weight read directly: the target stays
+    outside the engines)."""
     if isinstance(head, LMHead):
-        return head(hidden, labels, weights, k)
-    return linear_cross_entropy(hidden, head.weight, labels, head.bias, weights, k)
+        return head(hidden, labels, **loss)
+    return linear_loss(hidden, head.weight, labels, head.bias, **loss)
+
+
+def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, settings,
+                 teacher: tuple | None = None, k: int = 1) -> LinearLoss:
+    """A drafter's loss over chains of drafted positions: ``settings``' objective at each valid position,
+    weighted by its position weights (:mod:`draftheads.training.objectives`) and normalised over every process.
+
+    Args:
+        head: the LM head the drafter proposes through (:func:`head_loss`).
+        hidden: ``[N, D]`` its inputs at the valid positions, in ``valid``'s flattened order; labels: ``[N]``.
+        valid: ``[..., G]`` bool, chains of G drafted positions (the last dimension), N of them true.
+        settings: the drafter's :class:`~draftheads.training.objectives.Objective` (``position_decay`` set).
+        teacher: ``(hidden [N, Dt], weight [V, Dt], bias)``: the target's LM head and last hidden states at the
+            same positions, for a distillation objective (None for ``ce``).
+        k: top-k tokens returned.
+    D-PACE's weights need each position's cross-entropy first: a no-grad pass through the head makes it (one
+    more ``[N, V]`` product, chunked).
+    """
+    ce = None
+    if settings.position_weights == PositionWeights.dpace:
+        with torch.no_grad():
+            ce = torch.zeros(valid.shape, device=hidden.device)
+            ce[valid] = head_loss(head, hidden, labels, k=1).ce
+    weights = normalise(chain_weights(settings, valid, ce))[valid]
+    return head_loss(head, hidden, labels, weights=weights, k=k, teacher=teacher,
+                     mix=loss_mix(settings.loss, "loss"), temperature=settings.loss_temperature)

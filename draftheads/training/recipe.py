@@ -19,6 +19,7 @@ from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.training.config import TargetStates
 from draftheads.training.held_out import held_out_metrics
+from draftheads.training.objectives import Objective, check_objective, with_last_layer
 from draftheads.training.runtime import print0
 from draftheads.training.spine import fit
 
@@ -55,7 +56,15 @@ class Recipe:
     """The export folder (relative to the run) that vLLM loads, read back for parity."""
 
     def check(self, conf, target) -> None:
-        """Refuse settings that would fail later, before the data is built (``ValueError``). Default: none."""
+        """Refuse settings that would fail later, before the data is built (``ValueError``). Default: the
+        objective's keys (:func:`~draftheads.training.objectives.check_objective`)."""
+        check_objective(self.objective(conf), self.name)
+
+    def objective(self, conf) -> Objective:
+        """The drafter's objective settings (its config section, an
+        :class:`~draftheads.training.objectives.Objective`) with ``position_decay`` resolved (default: the
+        section's own)."""
+        return getattr(conf, self.name)
 
     def state_layers(self, conf, target) -> tuple[int, ...] | None:
         """Target layers whose outputs training reads (layer id i = output of decoder layer i); None (default):
@@ -158,7 +167,7 @@ class FeatureRecipe(Recipe):
 
     def training(self, conf, drafter: nn.Module, target, online: bool):
         """The training strategy (:class:`~draftheads.training.spine.Strategy`) whose ``module.drafter`` is
-        ``drafter``; ``online``: it computes the target's features per batch."""
+        ``drafter``, training for :meth:`objective`; ``online``: it computes the target's features per batch."""
         raise NotImplementedError
 
     def write_export(self, drafter: nn.Module, folder: Path) -> Path:
@@ -174,17 +183,24 @@ class FeatureRecipe(Recipe):
         raise NotImplementedError
 
     def check(self, conf, target) -> None:
-        """The layer ids exist in the target, then :meth:`check_settings`."""
+        """The layer ids exist in the target, the objective's keys, then :meth:`check_settings`."""
         n = target.config.num_hidden_layers
-        bad = [i for i in self.state_layers(conf, target) if not 0 <= i < n]
+        bad = [i for i in self.drafter_layers(conf, target) if not 0 <= i < n]
         if bad:
             raise ValueError(f"{self.name}.target_layer_ids: {bad} are outside 0..{n - 1} (the target's decoder "
                              f"layers)")
+        super().check(conf, target)
         self.check_settings(conf, target)
 
-    def state_layers(self, conf, target) -> tuple[int, ...]:
-        """``<name>.target_layer_ids``, else :meth:`default_layers`."""
+    def drafter_layers(self, conf, target) -> tuple[int, ...]:
+        """The layers the drafter reads: ``<name>.target_layer_ids``, else :meth:`default_layers`."""
         return tuple(self.settings(conf).target_layer_ids or self.default_layers(conf, target))
+
+    def state_layers(self, conf, target) -> tuple[int, ...]:
+        """:meth:`drafter_layers`, and the last layer when the objective reads the target's distribution
+        (:func:`~draftheads.training.objectives.with_last_layer`)."""
+        return with_last_layer(self.drafter_layers(conf, target), self.settings(conf),
+                               target.config.num_hidden_layers)
 
     def train(self, job, rows: list[dict]) -> Trained:
         conf, target = job.conf, job.target

@@ -6,7 +6,7 @@
 Per shape (tokens N : vocabulary V : hidden D) and path, each in its own process: seconds per forward+backward
 of a mean cross-entropy (the last of 3 runs) and the extra peak memory of the process over its inputs, in total and
 per token. ``full``: ``F.cross_entropy`` on float32 logits (the old path); ``chunked``:
-``draftheads.training.lm_head_loss.linear_cross_entropy``; each with a trainable head (EAGLE-3's, Medusa's
+``draftheads.training.lm_head_loss.linear_loss``; each with a trainable head (EAGLE-3's, Medusa's
 per-head ones: its float32 weight gradient is part of the peak) and a ``frozen`` one (the target's, as DFlash and
 Medusa's default read it).
 """
@@ -26,7 +26,7 @@ SHAPES = ["4096:49152:576", "2048:128256:2048"]
 
 
 def one(path: str, n: int, v: int, d: int) -> dict:
-    from draftheads.training.lm_head_loss import linear_cross_entropy
+    from draftheads.training.lm_head_loss import linear_loss
     torch.manual_seed(0)
     hidden = torch.empty(n, d).normal_().requires_grad_()  # in place: no temporary raises the baseline peak
     weight = torch.empty(v, d).normal_(0, 0.02).requires_grad_(not path.endswith("frozen"))
@@ -37,7 +37,7 @@ def one(path: str, n: int, v: int, d: int) -> dict:
         if path.startswith("full"):
             loss = F.cross_entropy(F.linear(hidden, weight).float(), labels)
         else:
-            loss = linear_cross_entropy(hidden, weight, labels, weights=torch.full((n,), 1 / n))[0]
+            loss = linear_loss(hidden, weight, labels, weights=torch.full((n,), 1 / n))[0]
         loss.backward()
         seconds = time.perf_counter() - start
         hidden.grad = weight.grad = None  # (a frozen head gets none)

@@ -80,9 +80,9 @@ imported by the trainer."""
 FIXED = ["tracker=none", "eval.enabled=false", "stage2.enabled=false", "export=false", "trainer.tokens_per_batch=null"]
 """Stage 1 only, on batches of ``trainer.batch_size`` rows as the reference's; draftheads' evaluation runs here
 afterwards, for both trainers alike."""
-SAME_HEADS = ["medusa.per_head_lm_head=true", "medusa.decay=1.0"]
+SAME_HEADS = ["medusa.per_head_lm_head=true", "medusa.position_decay=1.0"]
 """Draftheads trains the reference's heads by default here (each its own LM head, losses summed undecayed);
-overrides after them choose draftheads' own (``medusa.per_head_lm_head=false medusa.decay=0.8``)."""
+overrides after them choose draftheads' own (``medusa.per_head_lm_head=false medusa.position_decay=0.8``)."""
 EVAL = ["eval.enabled=true", "tree.enabled=false", "eval.prompt_lookup_tokens=0"]
 OPTIONS = ("epochs=", "max_steps=")
 IGNORE_INDEX = -100

@@ -3,20 +3,24 @@ inference, causal blocks) each pinned by a test, plus anchors, losslessness and 
 
 import copy
 import json
+import math
 
 import pytest
 import torch
 
 from draftheads.data.hidden_states import layer_features
-from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, default_decay,
+from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, paper_decay,
                            default_target_layer_ids, dflash_loss, sample_anchors)
 from draftheads.drafters.dflash.export import expected_shapes, export_dflash, load_dflash
 from draftheads.drafters.dflash.training import DFlashTraining
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import record_layer_outputs
+from draftheads.training.objectives import Objective
 from tests.helpers import assert_packed_trains_as_padded, feature_rows
 
 LAYERS = [0, 2, 3]
+B8 = Objective(position_decay=math.exp(-1 / 4))
+"""The paper's objective for blocks of 8: cross-entropy, position k weighing exp(-(k-1)/4)."""
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +142,7 @@ def test_anchors_and_labels_line_up(tiny):
                     assert labels[row, j, k - 1] == ids[row, a + k]  # position k predicts token[anchor + k]
     many = sample_anchors(loss_mask, 512)
     assert (many >= 0).sum(1).tolist() == [19, 14]  # every response position with a response successor
-    assert default_decay(16) == 7 and default_decay(10) == 5 and default_decay(8) == 4
+    assert [paper_decay(b) for b in (16, 10, 8)] == [math.exp(-1 / 7), math.exp(-1 / 5), math.exp(-1 / 4)]
 
 
 def _train(drafter, features, ids, loss_mask, max_anchors, steps) -> dict:
@@ -148,7 +152,7 @@ def _train(drafter, features, ids, loss_mask, max_anchors, steps) -> dict:
     for _ in range(steps):
         anchors = sample_anchors(loss_mask, max_anchors)
         labels, valid = block_labels(ids, loss_mask, anchors, drafter.block_size)
-        loss, metrics = dflash_loss(drafter, drafter(features, ids, attention, anchors), labels, valid, 4.0)
+        loss, metrics = dflash_loss(drafter, drafter(features, ids, attention, anchors), labels, valid, B8)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -310,7 +314,7 @@ def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online)
     batch's."""
     model, _ = tiny
     rows = feature_rows(model, (28, 19, 23), None if online else LAYERS)
-    assert_packed_trains_as_padded(DFlashTraining(drafter, model, 4, 4.0, online), rows)
+    assert_packed_trains_as_padded(DFlashTraining(drafter, model, 4, B8, online), rows)
 
 
 def test_online_features_train_like_computed_ones(tiny):
@@ -321,7 +325,7 @@ def test_online_features_train_like_computed_ones(tiny):
     rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
     torch.manual_seed(0)
     drafter = DFlashDraftModel.for_target(model, 1, 6, [1, 3], 3)
-    computed, online = (DFlashTraining(drafter, model, 8, 4.0, online=o) for o in (False, True))
+    computed, online = (DFlashTraining(drafter, model, 8, B8, online=o) for o in (False, True))
     attach_hidden_states(model, rows, 2, tok.pad_token_id, False, layer_ids=[1, 3])
     batch = collate(rows, tok.pad_token_id)
     losses = []

@@ -14,9 +14,12 @@ from draftheads.drafters.eagle3.model import (Eagle3DraftModel, Eagle3Drafter, d
                                               draft_vocabulary, eagle3_loss, layer_ids_of, ttt_attention)
 from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
+from draftheads.training.objectives import Objective
 from tests.helpers import assert_packed_trains_as_padded, feature_rows
 
 LAYERS = [0, 2, 3]
+DECAY = Objective(position_decay=0.8)
+"""EAGLE-3's default objective: cross-entropy, step k weighing 0.8 ** k."""
 
 
 def _vocabulary(model, size=300, seed=0):
@@ -170,7 +173,7 @@ def test_labels_are_mapped_into_the_draft_vocabulary_and_unheld_ones_count_as_mi
     with torch.no_grad():  # the head says draft token 0 (target 3) at step 1 and draft token 2 (target 42) at step 2
         d.lm_head.weight.zero_()
         d.lm_head.weight[0, 0], d.lm_head.weight[2, 1] = 50.0, 50.0
-    loss, m = eagle3_loss(d, h, ids, loss_mask, 0.8)
+    loss, m = eagle3_loss(d, h, ids, loss_mask, DECAY)
     # step 1 labels (token s+2): 42, 10, 7, 3 -> right only at s=3; step 2 labels (s+3): 10, 7, 3 -> never 42
     assert float(m["acc_pos1"]) == pytest.approx(1 / 4) and float(m["acc_pos2"]) == 0.0
     assert float(m["vocab_coverage"]) == pytest.approx(5 / 7)  # 7 (twice) is not in the draft vocabulary
@@ -202,7 +205,7 @@ def test_a_drafter_that_learns_the_sequence_gets_drafts_accepted(tiny):
     loss_mask[0, len(ids):] = True
     opt = torch.optim.AdamW(d.parameters(), lr=3e-3)
     for _ in range(150):
-        loss, metrics = eagle3_loss(d, d(feats, seq, torch.ones_like(seq), 3), seq, loss_mask, 0.8)
+        loss, metrics = eagle3_loss(d, d(feats, seq, torch.ones_like(seq), 3), seq, loss_mask, DECAY)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -270,7 +273,7 @@ def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online)
     batch's."""
     model, _ = tiny
     rows = feature_rows(model, (24, 19, 21), None if online else LAYERS)
-    assert_packed_trains_as_padded(Eagle3Training(drafter, model, 3, 0.8, online), rows)
+    assert_packed_trains_as_padded(Eagle3Training(drafter, model, 3, DECAY, online), rows)
 
 
 def test_online_features_train_like_computed_ones(tiny):
@@ -280,10 +283,177 @@ def test_online_features_train_like_computed_ones(tiny):
     model, tok = tiny
     rows = [{"input_ids": torch.randint(4, 500, (n,)), "loss_mask": torch.arange(n) >= 5} for n in (20, 26)]
     drafter = Eagle3DraftModel.for_target(model, [1, 2, 3], torch.arange(512))
-    computed, online = (Eagle3Training(drafter, model, 3, 0.8, online=o) for o in (False, True))
+    computed, online = (Eagle3Training(drafter, model, 3, DECAY, online=o) for o in (False, True))
     attach_hidden_states(model, rows, 2, tok.pad_token_id, False, layer_ids=[1, 2, 3])
     batch = collate(rows, tok.pad_token_id)
     losses = [s.forward_loss(s.module, b)[0] for s, b in
               ((computed, batch), (online, {k: v for k, v in batch.items() if k != "target_features"}))]
     torch.testing.assert_close(losses[0], losses[1])
     assert "target_features" in computed.required_fields and "target_features" not in online.required_fields
+
+
+# --- EAGLE-3.1 (arXiv 2605.09992): fc_norm, norm_before_fc, norm_output, as vLLM 0.32's llama_eagle3.py -----
+
+EAGLE31 = {"fc_norm": {"fc_norm": True}, "norm_before_fc": {"norm_before_fc": True},
+           "norm_output": {"norm_output": True}, "eagle3.1": {"fc_norm": True, "norm_output": True},
+           "all": {"fc_norm": True, "norm_before_fc": True, "norm_output": True}}
+"""Each flag alone, EAGLE-3.1 as the paper has it (per-feature norms, post-norm state fed on), and all three."""
+
+
+def _flagged(model, drafter, **flags):
+    """``drafter``'s weights under EAGLE-3.1 ``flags``, its extra norms' weights drawn in [0.5, 1.5) so that
+    they matter."""
+    d = Eagle3DraftModel.for_target(model, LAYERS, _vocabulary(model), **flags)
+    missing, unexpected = d.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith(("input_norm.", "fc_norm.")) for k in missing)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for k in missing:
+            d.get_parameter(k).copy_(torch.rand(d.get_parameter(k).shape, generator=g) + 0.5)
+    return d.eval()
+
+
+def _rms(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def test_eagle31_is_off_by_default_and_a_drafter_without_it_is_eagle3s(tiny):
+    """The default drafter draws the same weights, holds the same tensors and feeds its pre-norm state on."""
+    from draftheads.drafters.eagle3.config import Eagle3Config
+    from draftheads.drafters.eagle3.model import norm_flags
+    model, _ = tiny
+    assert not any(getattr(Eagle3Config(), name) for name in ("fc_norm", "norm_before_fc", "norm_output"))
+    made = []
+    for flags in ({}, dict.fromkeys(("fc_norm", "norm_before_fc", "norm_output"), False)):
+        torch.manual_seed(0)
+        made.append(Eagle3DraftModel.for_target(model, LAYERS, _vocabulary(model), **flags))
+    assert list(made[0].state_dict()) == list(made[1].state_dict())
+    assert all(torch.equal(v, made[1].state_dict()[k]) for k, v in made[0].state_dict().items())
+    assert not any(k.startswith(("input_norm", "fc_norm")) for k in made[0].state_dict())
+    h = torch.randn(3, model.config.hidden_size)
+    assert made[0].carry(h) is h and made[0].input_norm is None and made[0].fc_norm is None
+    assert norm_flags(made[0].config) == {"fc_norm": False, "norm_before_fc": False, "norm_output": False}
+
+
+def test_eagle31_norms_sit_before_fc_and_norm_output_feeds_the_next_step_its_normed_state(tiny, drafter):
+    """fc_norm: one RMSNorm per feature; norm_before_fc: one over the concatenation, applied first (vLLM's
+    combine_hidden_states); norm_output: step 0 unchanged, every later step fed norm(state). Each changes the
+    drafter's output."""
+    model, _ = tiny
+    ids, attention, features = _batch(model)
+    eps = model.config.rms_norm_eps
+    with torch.no_grad():
+        plain = drafter(features, ids, attention, 3)
+        d = _flagged(model, drafter, **EAGLE31["fc_norm"])
+        per_feature = torch.cat([_rms(c, n.weight, eps) for c, n in zip(features.chunk(3, -1), d.fc_norm)], -1)
+        torch.testing.assert_close(d.fuse(features), d.fc(per_feature))
+        assert not torch.allclose(d(features, ids, attention, 3), plain, atol=1e-3)
+        d = _flagged(model, drafter, **EAGLE31["norm_before_fc"])
+        torch.testing.assert_close(d.fuse(features), d.fc(_rms(features, d.input_norm.weight, eps)))
+        assert not torch.allclose(d(features, ids, attention, 3), plain, atol=1e-3)
+        d = _flagged(model, drafter, **EAGLE31["all"])
+        whole = _rms(features, d.input_norm.weight, eps)
+        want = d.fc(torch.cat([_rms(c, n.weight, eps) for c, n in zip(whole.chunk(3, -1), d.fc_norm)], -1))
+        torch.testing.assert_close(d.fuse(features), want)
+        d = _flagged(model, drafter, **EAGLE31["norm_output"])
+        out = d(features, ids, attention, 3)
+        torch.testing.assert_close(out[:, :, 0], plain[:, :, 0])  # step 0 is fed the fused feature either way
+        assert not torch.allclose(out[:, :, 1:], plain[:, :, 1:], atol=1e-3)
+        h = out[0, 4, 0]
+        torch.testing.assert_close(d.carry(h), _rms(h, d.norm.weight, eps))
+
+
+@pytest.mark.parametrize("flags", EAGLE31.values(), ids=EAGLE31.keys())
+def test_eagle31_training_pass_and_cached_drafting_give_the_same_logits(tiny, drafter, flags):
+    """Training and the evaluator's chain drafting take the same normed path: step j of the unrolled pass at
+    row s == draft j+1 from a context ending at s (the context in chunks, as in decoding)."""
+    model, _ = tiny
+    d = _flagged(model, drafter, **flags)
+    ids, _, features = _batch(model)
+    row, s, J = 0, 11, 4
+    cached = Eagle3Drafter(d, J)
+    cached.draft_logits(None, int(ids[row, 6]), features[row, :6], ids[row, :6])
+    drafts = cached.draft_logits(None, int(ids[row, s + 1]), features[row, 6:s + 1], ids[row, 6:s + 1])
+    seq = ids[row:row + 1].clone()
+    seq[0, s + 2:s + 1 + J] = drafts[:J - 1].argmax(-1)
+    feats = layer_features(model, seq, torch.ones_like(seq), LAYERS)
+    with torch.no_grad():
+        packed = d.target_logits(d(feats, seq, torch.ones_like(seq), J)[0, s])
+    torch.testing.assert_close(drafts, packed, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("flags", EAGLE31.values(), ids=EAGLE31.keys())
+def test_greedy_eagle31_decoding_equals_plain_greedy(tiny, drafter, flags):
+    model, tok = tiny
+    d, stop = _flagged(model, drafter, **flags), {tok.eos_token_id}
+    for text in ("Hello there", "How are you doing today?"):
+        ids = torch.tensor(tok(text)["input_ids"])
+        spec = speculative_decode(model, Eagle3Drafter(d, 4), ids, 40, stop)
+        assert spec.tokens == plain_decode(model, ids, 40, stop).tokens and len(spec.accepted_per_step) >= 1
+
+
+def test_an_eagle31_export_carries_the_keys_and_weights_vllm_reads_and_reads_back_exactly(tiny, drafter, tmp_path):
+    """vLLM 0.32 llama_eagle3.py reads top-level ``fc_norm`` (:231), ``norm_output`` (:252), ``norm_before_fc``
+    (:184-188, eagle_config first) and ``norm_before_residual`` (:101); its weights ``input_norm.weight``
+    ``[3D]`` and ``fc_norm.{k}.weight`` ``[D]`` (``model.`` prefixed by its loader, :444)."""
+    model, _ = tiny
+    D = model.config.hidden_size
+    d = _flagged(model, drafter, **EAGLE31["all"])
+    path = export_eagle3(d, tmp_path / "e31")
+    config = json.loads((path / "config.json").read_text())
+    assert {k: config[k] for k in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")} == \
+        {"fc_norm": True, "norm_before_fc": True, "norm_output": True, "norm_before_residual": False}
+    tensors = load_file(str(path / "model.safetensors"))
+    assert tensors["input_norm.weight"].shape == (3 * D,)
+    assert [tuple(tensors[f"fc_norm.{k}.weight"].shape) for k in range(3)] == [(D,)] * 3
+    assert set(tensors) == set(expected_shapes(drafter.config)) | {"input_norm.weight"} | {
+        f"fc_norm.{k}.weight" for k in range(3)}
+    back = load_eagle3(path, model)
+    assert list(back.state_dict()) == list(d.state_dict()) and back.norm_output
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())
+    ids, attention, features = _batch(model)
+    with torch.no_grad():
+        assert torch.equal(back(features, ids, attention, 3), d(features, ids, attention, 3))
+    plain = json.loads((export_eagle3(drafter, tmp_path / "e3") / "config.json").read_text())
+    assert not any(plain[k] for k in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"))
+
+
+def test_the_eagle31_loader_reads_flags_as_vllm_and_refuses_what_it_would_misread(tiny, drafter, tmp_path):
+    model, _ = tiny
+    path = export_eagle3(_flagged(model, drafter, **EAGLE31["all"]), tmp_path / "e")
+    config, tensors = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+
+    def with_config(**changes):
+        (path / "config.json").write_text(json.dumps({**config, **changes}))
+
+    with_config(fc_norm=False)  # the norms' weights are there, the flag that builds them is off
+    with pytest.raises(ValueError, match=r"unexpected tensors \['fc_norm.0.weight'"):
+        load_eagle3(path, model)
+    with_config(norm_output="yes")
+    with pytest.raises(ValueError, match="config.json.*norm_output.*true or false"):
+        load_eagle3(path, model)
+    with_config(norm_before_residual=True)
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        load_eagle3(path, model)
+    # vLLM reads norm_before_fc from eagle_config before the top level
+    with_config(norm_before_fc=False, eagle_config={**config["eagle_config"], "norm_before_fc": True})
+    assert load_eagle3(path, model).input_norm is not None
+    with_config()
+    save_file({k: v for k, v in tensors.items() if k != "input_norm.weight"}, str(path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"missing tensors \['input_norm.weight'\]"):
+        load_eagle3(path, model)
+
+
+def test_the_recipe_builds_describes_and_reports_the_eagle31_flags(tiny, tmp_path):
+    from draftheads.drafters.eagle3.recipe import EAGLE3
+    from tests.helpers import smoke
+    model, tok = tiny
+    conf = smoke("eagle3", tmp_path, tmp_path, "eagle3.fc_norm=true", "eagle3.norm_output=true")
+    rows = [{"input_ids": torch.randint(4, 500, (16,)), "loss_mask": torch.ones(16, dtype=torch.bool)}]
+    d = EAGLE3.build(conf, model, tok, rows)
+    assert d.fc_norm is not None and d.input_norm is None and d.norm_output
+    assert "EAGLE-3.1 fc_norm norm_output" in EAGLE3.describe(conf, d)
+    report = EAGLE3.drafter_config(conf, d)
+    assert (report["fc_norm"], report["norm_before_fc"], report["norm_output"]) == (True, False, True)
+    plain = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path), model, tok, rows)
+    assert plain.fc_norm is None and plain.input_norm is None and not plain.norm_output

@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
 from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, split_states, stage2_layers
+from draftheads.training.objectives import Objective
 from tests.helpers import assert_packed_trains_as_padded
 
 
@@ -76,7 +77,7 @@ def test_heads_learn_future_tokens_well_above_chance():
     hidden = emb[ids]
     losses = []
     for _ in range(300):
-        loss, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=0.8)
+        loss, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, Objective(position_decay=0.8))
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -93,7 +94,7 @@ def test_loss_is_the_decayed_sum_of_per_head_cross_entropies():
     hidden = torch.randn(2, 6, 8)
     ids = torch.randint(0, 12, (2, 6))
     labels, valid = medusa_targets(ids, torch.ones_like(ids, dtype=torch.bool), 2)
-    loss, m = medusa_loss(heads, hidden, labels, valid, lm_head, decay=0.5)
+    loss, m = medusa_loss(heads, hidden, labels, valid, lm_head, Objective(position_decay=0.5))
     expected = sum(0.5 ** (k + 1) * F.cross_entropy(lm_head(heads.blocks[k](hidden[valid[k]])), labels[k][valid[k]])
                    for k in range(2))
     torch.testing.assert_close(loss, expected)
@@ -115,7 +116,7 @@ def test_a_packed_batch_gives_the_padded_batchs_loss_and_gradients(stage, tiny):
     with torch.no_grad():
         for p in heads.parameters():
             p.normal_(0, 0.02)
-    strategy = (MedusaStage1(heads, model, decay=0.8) if stage == "stage1" else
-                MedusaStage2(heads, model, 2, decay=0.8, kl_weight=1.0, backbone_lr_scale=0.1))
+    strategy = (MedusaStage1(heads, model, Objective(position_decay=0.8)) if stage == "stage1" else
+                MedusaStage2(heads, model, 2, Objective(position_decay=0.8), kl_weight=1.0, backbone_lr_scale=0.1))
     assert_packed_trains_as_padded(strategy, rows)
     model.requires_grad_(False)

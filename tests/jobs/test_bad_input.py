@@ -49,8 +49,8 @@ def test_rows_a_dflash_block_cannot_train_on_are_skipped_and_counted(tmp_path, c
     assert report["finished"] == ["training", "validation", "save", "export"]
 
 
-def test_a_block_size_without_a_known_loss_decay_fails_before_the_data(tmp_path, cache_dir):
-    with pytest.raises(ValueError, match="set dflash.loss_decay"):
+def test_a_block_size_without_a_known_position_decay_fails_before_the_data(tmp_path, cache_dir):
+    with pytest.raises(ValueError, match="set dflash.position_decay"):
         run_dflash(smoke("dflash", tmp_path / "run", cache_dir, "dflash.block_size=5", "data.num_train_prompts=999999"))
     assert not (tmp_path / "run" / "report.json").exists()
 

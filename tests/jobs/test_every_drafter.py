@@ -10,6 +10,8 @@ from safetensors.torch import load_file
 
 from draftheads import drafters
 from draftheads.jobs.train import train
+from draftheads.training import lm_head_loss
+from draftheads.training.lm_head_loss import linear_loss
 from tests.helpers import smoke
 
 OWN = {
@@ -41,3 +43,29 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
         files = list((tmp_path / folder).glob("*.safetensors"))
         dtypes = {t.dtype for f in files for t in load_file(str(f)).values()}
         assert files and dtypes == {torch.bfloat16}, (folder, dtypes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", sorted(drafters.DRAFTERS))
+def test_a_distillation_objective_reads_the_targets_distribution_where_the_drafter_drafts(job, tmp_path, cache_dir,
+                                                                                        monkeypatch):
+    """``<drafter>.loss=kl`` with D-PACE weights: on rows the target regenerated greedily, the target's
+    distribution handed to the loss at each drafted position has the row's token as its argmax (a teacher one
+    position off would agree ~1/V of the time), the first stage's loss falls, and validation reports the overlap."""
+    agree, total = [], []
+
+    def recording(hidden, weight, labels, bias=None, teacher=None, **kw):
+        if teacher is not None:
+            logits = teacher[0].float() @ teacher[1].float().t()
+            agree.append(int((logits.argmax(-1) == labels).sum()))
+            total.append(len(labels))
+        return linear_loss(hidden, weight, labels, bias, teacher=teacher, **kw)
+
+    monkeypatch.setattr(lm_head_loss, "linear_loss", recording)
+    report = train(job, smoke(job, tmp_path, cache_dir, f"{job}.loss=kl", f"{job}.position_weights=dpace",
+                              "eval.max_new_tokens=8", *OWN[job]))
+    assert sum(total) > 100 and sum(agree) / sum(total) > 0.9, (sum(agree), sum(total))
+    stage, curve = next(iter(report["train_curves"].items()))  # later stages' few steps start where it ended
+    losses = [h[f"{stage}/loss"] for h in curve]
+    assert losses[-1] < losses[0], (stage, losses)
+    assert any("overlap" in key for key in report["validation"]), report["validation"].keys()

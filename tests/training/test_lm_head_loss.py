@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from draftheads.training.lm_head_loss import linear_cross_entropy
+from draftheads.training.lm_head_loss import linear_loss
 
 
 def _inputs(N=37, D=24, V=301, dtype=torch.float32, seed=0):
@@ -22,7 +22,7 @@ def test_loss_gradients_and_top_k_equal_the_full_logits(with_bias, chunk_bytes):
     hidden, weight, bias, labels = _inputs()
     bias = bias if with_bias else None
     scale = torch.rand(len(labels))  # a weighted loss, as DFlash and EAGLE-3 weight positions
-    loss, ce, top = linear_cross_entropy(hidden, weight, labels, bias, scale, k=5, chunk_bytes=chunk_bytes)
+    loss, _, ce, top, _ = linear_loss(hidden, weight, labels, bias, scale, k=5, chunk_bytes=chunk_bytes)
     (2 * loss).backward()
     ours = [hidden.grad, weight.grad] + ([bias.grad] if with_bias else [])
     for t in (hidden, weight, bias):
@@ -45,7 +45,7 @@ def test_a_frozen_head_gets_no_gradient_and_bf16_autocast_matches():
     weight.requires_grad_(False)
     mean = torch.full((len(labels),), 1 / len(labels))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss, ce, _ = linear_cross_entropy(hidden, weight, labels, weights=mean, chunk_bytes=4 * 301 * 7)
+        loss, _, ce, _, _ = linear_loss(hidden, weight, labels, weights=mean, chunk_bytes=4 * 301 * 7)
         ref = F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="none")
     torch.testing.assert_close(ce, ref, atol=1e-3, rtol=1e-3)  # both from bf16 products
     loss.backward()
@@ -59,11 +59,11 @@ def test_a_frozen_head_gets_no_gradient_and_bf16_autocast_matches():
 def test_without_gradients_nothing_is_kept_for_backward():
     hidden, weight, _, labels = _inputs()
     with torch.no_grad():
-        loss, ce, top = linear_cross_entropy(hidden, weight, labels, chunk_bytes=4 * 301 * 7)
+        loss, _, ce, top, _ = linear_loss(hidden, weight, labels, chunk_bytes=4 * 301 * 7)
     assert not loss.requires_grad and torch.isfinite(ce).all() and top.shape == (len(labels), 5)
 
 
 def test_labels_outside_the_vocabulary_are_refused():
     hidden, weight, _, labels = _inputs()
     with pytest.raises(ValueError, match="labels must lie in 0..300"):
-        linear_cross_entropy(hidden, weight, labels + 301)
+        linear_loss(hidden, weight, labels + 301)

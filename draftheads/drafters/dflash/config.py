@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from draftheads.choice import Choice
 from draftheads.training.config import RunConfig, StageConfig
+from draftheads.training.objectives import Objective
 
 
 class Attention(Choice):
@@ -16,8 +17,9 @@ class Attention(Choice):
 
 
 @dataclass
-class DFlashConfig:
-    """The DFlash drafter (arXiv 2602.06036) and how it trains and drafts."""
+class DFlashConfig(Objective):
+    """The DFlash drafter (arXiv 2602.06036) and how it trains (its objective:
+    :class:`~draftheads.training.objectives.Objective`) and drafts."""
     block_size: int = 16
     """The anchor plus block_size - 1 drafted tokens per target forward (draft length gamma = block_size - 1)."""
     num_layers: int = 1
@@ -31,7 +33,10 @@ class DFlashConfig:
     max_anchors: int = 512
     """Blocks trained per sequence, anchors drawn at random among response tokens, every epoch anew."""
     loss_decay: float | None = None
-    """Position k's loss weight is exp(-(k-1)/loss_decay); default: the paper's 7/5/4 for B = 16/10/8."""
+    """Removed (``RENAMED`` in draftheads/training/config.py): ``dflash.position_decay``."""
+    position_decay: float | None = None
+    """Position k weighs ``position_decay ** k`` under ``position_weights: decay``; default: the paper's
+    ``exp(-(k-1)/d)``, d = 7/5/4 for B = 16/10/8, i.e. ``exp(-1/d)`` (0.867 for 16)."""
     attention: Attention = Attention.auto
     """Training attention over many blocks: flex (block-sparse flex_attention, compiled), sdpa (dense boolean
     mask), auto (flex on GPUs, sdpa on CPUs)."""

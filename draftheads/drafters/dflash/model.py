@@ -32,7 +32,7 @@ from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
 from draftheads.models.target import full_attention_rope
 from draftheads.training.held_out import chain_estimates
-from draftheads.training.lm_head_loss import head_cross_entropy
+from draftheads.training.lm_head_loss import drafted_loss
 
 
 def _flex_attention(*args, **kwargs):
@@ -314,44 +314,54 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     return labels, valid
 
 
-def position_weights(block_size: int, decay: float) -> torch.Tensor:
-    """``[S-1]`` loss weights ``exp(-(k-1)/decay)`` for block positions k = 1..S-1 (DFlash paper, sec. 3)."""
-    return torch.exp(-torch.arange(block_size - 1, dtype=torch.float32) / decay)
-
-
-def default_decay(block_size: int) -> float:
-    """The paper's loss decay for its block sizes: 7 for 16, 5 for 10, 4 for 8.
-    Raises ``ValueError`` for another size (set ``dflash.loss_decay``)."""
+def paper_decay(block_size: int) -> float:
+    """The paper's position decay for its block sizes as ``position_decay`` (sec. 3: position k weighs
+    ``exp(-(k-1)/d)``, d = 7, 5, 4 for 16, 10, 8: ``position_decay = exp(-1/d)``). Raises ``ValueError`` for
+    another size (set ``dflash.position_decay``)."""
     paper = {16: 7.0, 10: 5.0, 8: 4.0}
     if block_size not in paper:
-        raise ValueError(f"no paper loss decay for block_size={block_size} (known: {sorted(paper)}); "
-                         f"set dflash.loss_decay")
-    return paper[block_size]
+        raise ValueError(f"no paper position decay for block_size={block_size} (known: {sorted(paper)}); "
+                         f"set dflash.position_decay")
+    return math.exp(-1 / paper[block_size])
+
+
+def block_states(states: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, A, S-1, D]``: ``states`` ``[B, T, D]`` at ``anchor + k - 1`` for block positions k = 1..S-1 (the
+    target's states from which it predicts the token position k drafts)."""
+    B, T = states.shape[:2]
+    pos = (anchors[..., None] + torch.arange(block_size - 1, device=anchors.device)).clamp(0, T - 1)
+    return states[torch.arange(B, device=states.device)[:, None, None], pos]
 
 
 def dflash_loss(model: DFlashDraftModel, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted cross-entropy over block positions 1..S-1, and training-time acceptance estimates.
+                settings, teacher_states: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The objective over block positions 1..S-1, and training-time acceptance estimates.
 
     Args:
         hidden: ``[B, A, S, D]`` from :meth:`DFlashDraftModel.forward`; labels, valid: ``[B, A, S-1]``.
-        decay: position weight ``exp(-(k-1)/decay)``; the loss is normalised by the weight sum of valid targets.
+        settings: ``dflash``'s :class:`~draftheads.training.objectives.Objective` (``position_decay`` set).
+        teacher_states: ``[B, A, S-1, D]`` the target's last hidden states that predict each position's token
+            (:func:`block_states`), for a distillation objective; None for ``ce``.
     Returns:
         ``(loss, metrics)``; metrics: :func:`~draftheads.training.held_out.chain_estimates` of the blocks
-        (``acc_pos{k}``, ``alpha_pos{k}``, ``tau_estimate``).
-    The target's LM head runs chunked, its ``[targets, V]`` logits never materialised.
+        (``acc_pos{k}``, ``alpha_pos{k}``, ``tau_estimate``), and ``overlap`` (mean ``sum_v min(p_v, q_v)``)
+        under a distillation objective.
+    The target's LM head runs chunked, its ``[targets, V]`` logits never materialised
+    (:func:`~draftheads.training.lm_head_loss.drafted_loss`).
     Raises ``ValueError`` when no target is valid (a batch without response tokens).
     """
     if not valid.any():
         raise ValueError("a DFlash batch has no valid block target: no response token follows any anchor")
-    S1 = labels.shape[-1]
-    weights = position_weights(S1 + 1, decay).to(hidden.device).expand_as(valid)[valid]
-    loss, _, top = head_cross_entropy(model.frozen[1], hidden[:, :, 1:][valid], labels[valid], weights / weights.sum(),
-                                      k=1)
+    head = model.frozen[1]
+    teacher = None if teacher_states is None else (teacher_states[valid], head.weight, head.bias)
+    out = drafted_loss(head, hidden[:, :, 1:][valid], labels[valid], valid, settings, teacher)
     with torch.no_grad():
         correct = torch.zeros_like(valid)
-        correct[valid] = top[:, 0] == labels[valid]
-    return loss, chain_estimates(correct, valid)
+        correct[valid] = out.top[:, 0] == labels[valid]
+    metrics = chain_estimates(correct, valid)
+    if out.alpha is not None:
+        metrics["overlap"] = out.alpha.mean()
+    return out.loss, metrics
 
 
 class DFlashDrafter:

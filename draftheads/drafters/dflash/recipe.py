@@ -5,12 +5,13 @@ greedy only)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
-from draftheads.drafters.dflash.config import DFlashRunConfig
+from draftheads.drafters.dflash.config import DFlashConfig, DFlashRunConfig
 from draftheads.drafters.dflash.export import export_dflash, load_dflash
-from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, default_decay,
+from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, paper_decay,
                                               default_target_layer_ids)
 from draftheads.drafters.dflash.training import DFlashTraining
 from draftheads.models.speculative import Sampling, speculative_decode
@@ -27,11 +28,16 @@ class DFlash(FeatureRecipe):
         return default_target_layer_ids(target.config.num_hidden_layers, conf.dflash.num_target_features)
 
     def check_settings(self, conf: DFlashRunConfig, target) -> None:
-        """A block of at least two positions and its loss decay (without building the drafter, so the global RNG
-        is drawn from where it always was)."""
+        """A block of at least two positions (without building the drafter, so the global RNG is drawn from
+        where it always was)."""
         if conf.dflash.block_size < 2:
             raise ValueError(f"dflash.block_size={conf.dflash.block_size} must be >= 2 (the anchor plus drafts)")
-        _decay(conf)  # a block size without a paper decay needs dflash.loss_decay: say so now
+
+    def objective(self, conf: DFlashRunConfig) -> DFlashConfig:
+        """``dflash``'s objective; ``position_decay`` by default the paper's for the block size
+        (:func:`~draftheads.drafters.dflash.model.paper_decay`: a size without one needs it set)."""
+        d = conf.dflash
+        return d if d.position_decay is not None else replace(d, position_decay=paper_decay(d.block_size))
 
     def unusable(self, row: dict) -> str | None:
         """A block's anchor is a trainable token followed by one: a row without two in a row has no target."""
@@ -44,7 +50,7 @@ class DFlash(FeatureRecipe):
         """A fresh drafter for ``target`` from ``conf.dflash`` (layer ids and mask token resolved)."""
         d = conf.dflash
         mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
-        drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, list(self.state_layers(conf, target)),
+        drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, list(self.drafter_layers(conf, target)),
                                               mask)
         if d.attention != "auto":
             drafter.attention = d.attention.value
@@ -55,7 +61,7 @@ class DFlash(FeatureRecipe):
                 f"{list(drafter.target_layer_ids)}, mask token {drafter.mask_token_id}")
 
     def training(self, conf: DFlashRunConfig, drafter: DFlashDraftModel, target, online: bool) -> DFlashTraining:
-        return DFlashTraining(drafter, target, conf.dflash.max_anchors, _decay(conf), online=online)
+        return DFlashTraining(drafter, target, conf.dflash.max_anchors, self.objective(conf), online=online)
 
     def write_export(self, drafter: DFlashDraftModel, folder: Path) -> Path:
         return export_dflash(drafter, folder)
@@ -66,7 +72,7 @@ class DFlash(FeatureRecipe):
     def drafter_config(self, conf: DFlashRunConfig, drafter: DFlashDraftModel) -> dict:
         return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),
                 "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
-                "loss_decay": _decay(conf)}
+                "position_decay": self.objective(conf).position_decay}
 
     def chain(self, conf, trained: Trained, target) -> DFlashDrafter:
         return DFlashDrafter(trained.model)
@@ -83,11 +89,6 @@ class DFlash(FeatureRecipe):
     def draft_length(self, conf, trained: Trained) -> int:
         """A block's drafts: its size less the anchor."""
         return trained.model.block_size - 1
-
-
-def _decay(conf: DFlashRunConfig) -> float:
-    """The loss's position decay: ``dflash.loss_decay``, else the paper's for the block size."""
-    return conf.dflash.loss_decay or default_decay(conf.dflash.block_size)
 
 
 DFLASH = DFlash()

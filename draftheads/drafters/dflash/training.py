@@ -1,6 +1,6 @@
 """DFlash training as a spine strategy (arXiv 2602.06036, section 3): the drafter trains on the target's
 multi-layer features (cached or computed per batch), many random blocks per sequence in one pass, with
-position-decayed cross-entropy. Only the drafter is registered (what DDP wraps and checkpoints save); the
+its objective weighted per block position (:mod:`draftheads.training.objectives`). Only the drafter is registered (what DDP wraps and checkpoints save); the
 target is held outside registration.
 """
 
@@ -12,28 +12,36 @@ from transformers import PreTrainedModel
 
 from draftheads.data.batching import unpack
 from draftheads.data.hidden_states import batch_features
-from draftheads.drafters.dflash.model import DFlashDraftModel, block_labels, dflash_loss, sample_anchors
+from draftheads.drafters.dflash.model import DFlashDraftModel, block_labels, block_states, dflash_loss, sample_anchors
+from draftheads.training.objectives import Objective, add_noise, needs_target, split_last, with_last_layer
 from draftheads.training.spine import ModuleStrategy
 
 
 class _DFlashModule(nn.Module):
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float):
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, settings: Objective):
         super().__init__()
         self.drafter = drafter
         self.frozen = (target,)
-        self.max_anchors, self.decay = max_anchors, decay
+        self.max_anchors, self.settings = max_anchors, settings
+        self.layer_ids = with_last_layer(drafter.target_layer_ids, settings, target.config.num_hidden_layers)
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         """Padded or packed batches: a packed batch's target features come from its packed sequence, and the drafter
         reads its rows one per line (:func:`~draftheads.data.batching.unpack`: its blocks attend within a row)."""
-        features = batch_features(batch, self.frozen[0], self.drafter.target_layer_ids)
+        target, S = self.frozen[0], self.drafter.block_size
+        features = batch_features(batch, target, self.layer_ids)
         if "documents" in batch:
             batch = unpack({**batch, "target_features": features})
             features = batch["target_features"]
+        last = None
+        if needs_target(self.settings):
+            features, last = split_last(features, target)
         anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
+        features = add_noise(features, self.settings.feature_noise)
         hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
-        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, self.drafter.block_size)
-        loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.decay)
+        labels, valid = block_labels(batch["input_ids"], batch["loss_mask"], anchors, S)
+        loss, metrics = dflash_loss(self.drafter, hidden, labels, valid, self.settings,
+                                    None if last is None else block_states(last, anchors, S))
         metrics["blocks_per_row"] = (anchors >= 0).float().sum(1).mean()
         return loss, metrics
 
@@ -44,9 +52,9 @@ class DFlashTraining(ModuleStrategy):
     name = "dflash"
     unpacks = True
 
-    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, decay: float,
+    def __init__(self, drafter: DFlashDraftModel, target: PreTrainedModel, max_anchors: int, settings: Objective,
                  online: bool):
-        self.module = _DFlashModule(drafter, target, max_anchors, decay)
+        self.module = _DFlashModule(drafter, target, max_anchors, settings)
         self.required_fields = ("input_ids", "loss_mask") + (() if online else ("target_features",))
 
     def param_groups(self, lr: float) -> list[dict]:

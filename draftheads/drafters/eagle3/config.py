@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftheads.training.config import RunConfig, StageConfig
+from draftheads.training.objectives import Objective
 
 
 @dataclass
-class Eagle3Config:
-    """The EAGLE-3 drafter (Li et al., arXiv 2503.01840) and how it trains and drafts."""
+class Eagle3Config(Objective):
+    """The EAGLE-3 drafter (Li et al., arXiv 2503.01840) and how it trains (its objective:
+    :class:`~draftheads.training.objectives.Objective`) and drafts."""
     target_layer_ids: list[int] | None = None
     """The target layers fused by ``fc`` (low, middle, high); id i is the output of decoder layer i (0-based),
     as DFlash's. Default ``[1, L//2 - 1, L - 4]``: the layers vLLM reads for a target that names none (its ids
@@ -20,11 +22,25 @@ class Eagle3Config:
     ttt_steps: int = 7
     """Training-time test: the drafter is unrolled this many steps per position, step j > 1 fed its own hidden
     state of step j-1 (the paper's 7)."""
-    step_decay: float = 0.8
-    """Step j's loss weight is ``step_decay ** (j-1)`` (the EAGLE-3 reference's 0.8); the loss is normalised by
-    the weights' sum."""
+    step_decay: float | None = None
+    """Removed (``RENAMED`` in draftheads/training/config.py): ``eagle3.position_decay``."""
+    position_decay: float | None = 0.8
+    """Step k weighs ``position_decay ** k`` under ``position_weights: decay`` (the EAGLE-3 reference's 0.8);
+    the loss is normalised by the weights' sum."""
     gamma: int = 5
     """Draft length when decoding: tokens proposed per verification (vLLM's ``num_speculative_tokens``)."""
+    fc_norm: bool = False
+    """EAGLE-3.1 (arXiv 2605.09992): an RMSNorm on each target feature before ``fc`` (weights
+    ``fc_norm.{k}.weight``, ``[target hidden]`` each), so that layers of different scales enter the fusion alike.
+    Exported as vLLM reads it: config ``fc_norm`` (vLLM 0.32 ``llama_eagle3.py:231``, applied per chunk in
+    ``combine_hidden_states``, :414). Off: the EAGLE-3 drafter as before."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated features before ``fc`` (weight ``input_norm.weight``, ``[K * target
+    hidden]``; speculators' gpt-oss drafters), applied before ``fc_norm`` when both are on. Config
+    ``norm_before_fc`` (vLLM 0.32 ``llama_eagle3.py:184``, which reads ``eagle_config`` first)."""
+    norm_output: bool = False
+    """EAGLE-3.1: each step (training-time test and drafting alike) is fed the previous step's hidden state
+    after the final ``norm`` instead of before it (config ``norm_output``; vLLM 0.32 ``llama_eagle3.py:286``)."""
     features: str | None = None
     """Removed (``RENAMED`` in draftheads/training/config.py): ``data.target_states``."""
 

@@ -9,8 +9,14 @@ Layout (checked against vLLM 0.32's ``model_executor/models/llama_eagle3.py``: `
   ``eagle_config: {use_aux_hidden_state[, eagle_aux_hidden_state_layer_ids]}`` and ``num_target_layers``. The
   layer ids are left out when they are the servers' default (vLLM and SGLang then read the same layers), else
   written as vLLM's ids (the *input* of decoder layer i: draftheads id + 1), which SGLang reads as the output of
-  layer i, one layer later (:func:`~draftheads.drafters.eagle3.model.draft_config`).
-- ``model.safetensors``: ``fc.weight`` ``[D, 3D]``, ``midlayer.{input_layernorm,hidden_norm,
+  layer i, one layer later (:func:`~draftheads.drafters.eagle3.model.draft_config`). EAGLE-3.1's flags as
+  top-level bools, always written: ``fc_norm`` (``llama_eagle3.py:231``), ``norm_before_fc`` (:184-188, which
+  also reads ``eagle_config``) and ``norm_output`` (:252), and ``norm_before_residual: false`` (:101; the only
+  value built here), so that no server default decides them.
+- ``model.safetensors``: with ``norm_before_fc``, ``input_norm.weight`` ``[3D]``; with ``fc_norm``,
+  ``fc_norm.{0,1,2}.weight`` ``[D]`` each (vLLM prefixes ``model.``: its ``LlamaModel.input_norm`` and
+  ``fc_norm`` ModuleList, :224 and :233; it drops ``input_norm.`` without ``norm_before_fc``, :464). Then
+  ``fc.weight`` ``[D, 3D]``, ``midlayer.{input_layernorm,hidden_norm,
   post_attention_layernorm}.weight`` ``[D]``, ``midlayer.self_attn.{q,k,v}_proj.weight`` ``[heads*hd, 2D]``,
   ``midlayer.self_attn.o_proj.weight``, ``midlayer.mlp.{gate,up,down}_proj.weight``, ``norm.weight``,
   ``lm_head.weight`` ``[V_draft, D]``; with a draft vocabulary smaller than the target's, ``d2t`` ``[V_draft]``
@@ -28,7 +34,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PreTrainedModel
 
-from draftheads.drafters.eagle3.model import Eagle3DraftModel, layer_ids_of
+from draftheads.drafters.eagle3.model import Eagle3DraftModel, layer_ids_of, norm_flags
 from draftheads.models.export import check_tensors, read_folder, write_folder
 from draftheads.models.target import check_made_for
 
@@ -36,7 +42,8 @@ WEIGHTS = "model.safetensors"
 
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of the layout and its shape, from a draft config."""
+    """Every tensor name of the layout and its shape, from a draft config (its EAGLE-3.1 flags included:
+    :func:`~draftheads.drafters.eagle3.model.norm_flags`, whose ``ValueError`` it raises)."""
     D, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     V, Vd = config.vocab_size, config.draft_vocab_size
@@ -50,6 +57,11 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
               m + "mlp.gate_proj.weight": (I, D), m + "mlp.up_proj.weight": (I, D), m + "mlp.down_proj.weight": (D, I)}
     if Vd != V:
         shapes |= {"d2t": (Vd,), "t2d": (V,)}
+    flags, Dt = norm_flags(config), config.target_hidden_size
+    if flags["norm_before_fc"]:
+        shapes["input_norm.weight"] = (K * Dt,)
+    if flags["fc_norm"]:
+        shapes |= {f"fc_norm.{k}.weight": (Dt,) for k in range(K)}
     return shapes
 
 
@@ -65,7 +77,8 @@ def server_config(model: Eagle3DraftModel) -> dict:
                "target_hidden_size": c.target_hidden_size, "num_target_layers": c.num_target_layers,
                "eagle_config": dict(c.eagle_config),
                "head_dim": c.head_dim, "rope_theta": rope.get("rope_theta", getattr(c, "rope_theta", None)),
-               "tie_word_embeddings": False, "dtype": str(model.fc.weight.dtype).removeprefix("torch.")}
+               "tie_word_embeddings": False, "dtype": str(model.fc.weight.dtype).removeprefix("torch."),
+               **norm_flags(c), "norm_before_residual": False}
     return config
 
 
@@ -83,13 +96,18 @@ def load_eagle3(path: str | Path, target: PreTrainedModel) -> Eagle3DraftModel:
     device).
 
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for a config that is not an EAGLE-3 draft,
-    tensors that do not match the layout, a ``d2t`` that is not a sorted vocabulary, or a drafter made for
-    another target (sizes differ).
+    EAGLE-3.1 flags that are not bools or a layout not built here (``norm_before_residual``), tensors that do
+    not match the layout its flags make (a norm's weight missing, or present with its flag off), a ``d2t`` that
+    is not a sorted vocabulary, or a drafter made for another target (sizes differ).
     """
     where = Path(path) / WEIGHTS
     _, tensors = read_folder(path, ("draft_vocab_size", "target_hidden_size", "num_target_layers", "eagle_config"),
                              "EAGLE-3 draft", WEIGHTS)
     config = AutoConfig.from_pretrained(path)
+    try:
+        norm_flags(config)
+    except ValueError as e:
+        raise ValueError(f"{Path(path) / 'config.json'}: {e}") from None
     check_tensors(tensors, expected_shapes(config), where)
     model = Eagle3DraftModel(config, target.get_input_embeddings().weight)
     check_made_for({**config.to_dict(), "hidden_size": config.target_hidden_size}, target.config,

@@ -4,11 +4,14 @@ Models via Training-Time Test", arXiv 2503.01840), laid out as vLLM's ``llama_ea
 
 - Features: the outputs of three target decoder layers (low, middle, high; ``target_layer_ids``, id i = output
   of decoder layer i), concatenated ``[.., 3D]`` and fused by ``fc`` (bias-free ``3D -> D``; no norm after it,
-  as vLLM's ``combine_hidden_states``).
+  as vLLM's ``combine_hidden_states``). EAGLE-3.1 (arXiv 2605.09992) options, off by default
+  (:func:`norm_flags`): ``norm_before_fc``, one RMSNorm ``input_norm`` over the concatenation, then ``fc_norm``,
+  one RMSNorm per feature (``fc_norm.{k}``), both before ``fc`` (vLLM 0.32 ``combine_hidden_states``).
 - One decoder layer (``midlayer``): attention reads ``[input_layernorm(embed(x)), hidden_norm(h)]``, 2D wide
   (``q/k/v_proj`` take 2D); the residual stream starts at ``h`` itself; a SiLU MLP. Then ``norm`` and the
   drafter's own LM head over ``draft_vocab_size`` tokens. The residual sum before ``norm`` is the hidden state
-  the next draft step is fed (vLLM's ``hidden_prenorm``).
+  the next draft step is fed (vLLM's ``hidden_prenorm``); with EAGLE-3.1's ``norm_output``, the sum after
+  ``norm`` (vLLM's ``aux_output``), in training-time test and drafting alike (:meth:`Eagle3DraftModel.carry`).
 - Row s pairs the fused feature of position s with the embedding of token s+1 and predicts token s+2, at
   RoPE position s (vLLM's EAGLE input: token ids shifted left by one beside the target's hidden states).
 - Training-time test (the paper's section 3.2): step j (0-based) of row s is fed row s's hidden state of step
@@ -31,7 +34,7 @@ from transformers.models.llama import modeling_llama as llama
 
 from draftheads.models.target import full_attention_rope
 from draftheads.training.held_out import chain_estimates
-from draftheads.training.lm_head_loss import LMHead
+from draftheads.training.lm_head_loss import LMHead, drafted_loss
 
 
 def default_layer_ids(num_target_layers: int) -> list[int]:
@@ -63,10 +66,12 @@ def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> torch.Tens
     return order[:size].sort().values
 
 
-def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: int) -> LlamaConfig:
+def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: int, fc_norm: bool = False,
+                 norm_before_fc: bool = False, norm_output: bool = False) -> LlamaConfig:
     """The drafter's config: a one-layer Llama config of the target's width (heads, KV heads, head_dim, MLP,
     RMSNorm eps, the RoPE of its full-attention layers, vocabulary) plus EAGLE-3's fields as the servers read
-    them: ``draft_vocab_size``, ``target_hidden_size``, ``num_target_layers`` and ``eagle_config``.
+    them: ``draft_vocab_size``, ``target_hidden_size``, ``num_target_layers`` and ``eagle_config``, and the
+    EAGLE-3.1 flags as top-level bools ``fc_norm``, ``norm_before_fc``, ``norm_output`` (:func:`norm_flags`).
 
     The servers read ``eagle_config.eagle_aux_hidden_state_layer_ids`` differently: vLLM's id i is the input of
     decoder layer i (``llama.py``: ``_maybe_add_hidden_state(aux, idx + 1, ..)`` after layer idx), SGLang's the
@@ -87,8 +92,32 @@ def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: i
     config.eagle_config = {"use_aux_hidden_state": True}
     if list(target_layer_ids) != servers_default(t.num_hidden_layers):
         config.eagle_config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in target_layer_ids]
+    config.fc_norm, config.norm_before_fc, config.norm_output = bool(fc_norm), bool(norm_before_fc), bool(norm_output)
     config.architectures = ["LlamaForCausalLMEagle3"]
     return config
+
+
+NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
+"""EAGLE-3.1's switches, under the names vLLM 0.32's ``llama_eagle3.py`` reads from a draft config."""
+
+
+def norm_flags(config) -> dict[str, bool]:
+    """The EAGLE-3.1 flags of a draft config, read as vLLM 0.32's ``llama_eagle3.py`` reads them (absent: off):
+    ``norm_before_fc`` from ``eagle_config`` first, else the top level (:184-188); ``fc_norm`` (:231) and
+    ``norm_output`` (:252) from the top level. Returns ``{name: bool}`` for :data:`NORM_FLAGS`.
+
+    Raises ``ValueError`` for a flag that is not a JSON bool, and for ``norm_before_residual`` true (vLLM :101:
+    ``hidden_norm`` applied before the residual is taken), a layer this drafter does not build."""
+    eagle = getattr(config, "eagle_config", None) or {}
+    flags = {name: getattr(config, name, False) for name in NORM_FLAGS}
+    flags["norm_before_fc"] = eagle.get("norm_before_fc", flags["norm_before_fc"])
+    bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"EAGLE-3 draft config: {bad} must be true or false")
+    if getattr(config, "norm_before_residual", False):
+        raise ValueError("EAGLE-3 draft config: norm_before_residual=true is not built here (the residual stream "
+                         "starts at the fused feature itself, vLLM's norm_before_residual=false)")
+    return flags
 
 
 def layer_ids_of(config) -> tuple[int, ...]:
@@ -168,20 +197,29 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
 class Eagle3DraftModel(nn.Module):
     """The EAGLE-3 drafter: ``fc``, ``midlayer`` (:class:`Eagle3Layer`), ``norm``, ``lm_head`` ``[V_draft, D]``
     and the buffers ``d2t`` ``[V_draft]`` int64 and ``t2d`` ``[V]`` bool; the target's embedding table is held,
-    frozen and unregistered.
+    frozen and unregistered. With EAGLE-3.1's flags (:func:`norm_flags`): ``input_norm`` ``[K * D_target]``
+    (``norm_before_fc``) and ``fc_norm.{k}`` ``[D_target]`` (``fc_norm``), vLLM's module names; absent when off.
 
     Args:
         config: from :func:`draft_config`.
         embed_weight: the target's ``[V, D]`` input embedding table.
-    Raises ``ValueError`` for layer ids outside the target (:func:`layer_ids_of`).
+    Raises ``ValueError`` for layer ids outside the target (:func:`layer_ids_of`) or bad flags
+    (:func:`norm_flags`).
     """
 
     def __init__(self, config: LlamaConfig, embed_weight: torch.Tensor):
         super().__init__()
         self.config = config
         self.target_layer_ids = layer_ids_of(config)
+        flags = norm_flags(config)
+        self.norm_output = flags["norm_output"]
         D, V, Vd = config.hidden_size, config.vocab_size, config.draft_vocab_size
-        self.fc = nn.Linear(len(self.target_layer_ids) * config.target_hidden_size, D, bias=False)
+        K, Dt = len(self.target_layer_ids), config.target_hidden_size
+        # built only when on (norms draw no random numbers): without the flags, EAGLE-3's drafter unchanged
+        self.input_norm = llama.LlamaRMSNorm(K * Dt, eps=config.rms_norm_eps) if flags["norm_before_fc"] else None
+        self.fc_norm = (nn.ModuleList(llama.LlamaRMSNorm(Dt, eps=config.rms_norm_eps) for _ in range(K))
+                        if flags["fc_norm"] else None)
+        self.fc = nn.Linear(K * Dt, D, bias=False)
         self.midlayer = Eagle3Layer(config)
         self.norm = llama.LlamaRMSNorm(D, eps=config.rms_norm_eps)
         self.lm_head = LMHead(D, Vd, bias=False)
@@ -194,12 +232,14 @@ class Eagle3DraftModel(nn.Module):
                 nn.init.normal_(module.weight, std=config.initializer_range)
 
     @classmethod
-    def for_target(cls, target: PreTrainedModel, target_layer_ids: list[int], vocabulary: torch.Tensor) -> "Eagle3DraftModel":
+    def for_target(cls, target: PreTrainedModel, target_layer_ids: list[int], vocabulary: torch.Tensor,
+                   **flags: bool) -> "Eagle3DraftModel":
         """A fresh drafter for ``target`` (float32, on its device) over the draft ``vocabulary`` (``[V_draft]``
         sorted target ids, :func:`draft_vocabulary`): linear weights ~ N(0, initializer_range), norms at one,
         ``lm_head`` rows copied from the target's LM head rows of those tokens (the drafter starts where the
-        target's head is)."""
-        config = draft_config(target.config, target_layer_ids, len(vocabulary))
+        target's head is). ``flags``: EAGLE-3.1's ``fc_norm``, ``norm_before_fc``, ``norm_output`` (off unless
+        given; :func:`draft_config`)."""
+        config = draft_config(target.config, target_layer_ids, len(vocabulary), **flags)
         model = cls(config, target.get_input_embeddings().weight)
         model.set_vocabulary(vocabulary)
         with torch.no_grad():
@@ -224,8 +264,21 @@ class Eagle3DraftModel(nn.Module):
         return F.embedding(ids, self.frozen[0]).to(self.fc.weight.dtype)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        """``[.., K*D]`` target layer outputs -> ``[.., D]`` (``fc``)."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        """``[.., K*D_target]`` target layer outputs -> ``[.., D]``: ``input_norm`` over the concatenation
+        (``norm_before_fc``), then ``fc_norm.{k}`` on feature k (``fc_norm``), then ``fc``, in vLLM 0.32's order
+        (``combine_hidden_states``, ``llama_eagle3.py:405-418``). Without the flags, ``fc`` alone."""
+        x = features.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return self.fc(x)
+
+    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[.., D]`` a step's hidden state before ``norm`` -> what the next step is fed: itself (vLLM's
+        ``hidden_prenorm``), or ``norm(hidden)`` under ``norm_output`` (EAGLE-3.1; vLLM 0.32
+        ``llama_eagle3.py:286``: ``aux_output``, the state its proposer feeds the next draft step)."""
+        return self.norm(hidden) if self.norm_output else hidden
 
     def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[.., D]`` hidden states before ``norm`` -> ``[.., V_draft]`` logits over the draft vocabulary."""
@@ -248,7 +301,8 @@ class Eagle3DraftModel(nn.Module):
         Args:
             features: ``[B, T, K*D]`` target layer outputs; input_ids, attention_mask: ``[B, T]``.
             steps: unrolled steps J.
-        Returns ``[B, T, J, D]``: step j's hidden state (before ``norm``) at row s, which predicts token s+2+j.
+        Returns ``[B, T, J, D]``: step j's hidden state (before ``norm``) at row s, which predicts token s+2+j;
+        step j+1 is fed :meth:`carry` of it, as drafting is.
         """
         B, T = input_ids.shape
         hidden = self.fuse(features)
@@ -261,8 +315,8 @@ class Eagle3DraftModel(nn.Module):
             q, k, v = self.midlayer.qkv(self.embed(ids), hidden, cos, sin)
             keys.append(k)
             values.append(v)
-            hidden = self.midlayer.finish(hidden, ttt_attention(q, keys, values, valid, self.midlayer.scaling))
-            out.append(hidden)
+            out.append(self.midlayer.finish(hidden, ttt_attention(q, keys, values, valid, self.midlayer.scaling)))
+            hidden = self.carry(out[-1])
         return torch.stack(out, dim=2)
 
     # --- decoding: rows appended to a KV cache -----------------------------------------------------------
@@ -271,7 +325,8 @@ class Eagle3DraftModel(nn.Module):
                past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """n new rows of one sequence (``[n]`` next-token ids, ``[n, D]`` hidden states, ``[n]`` positions), each
         attending to the cached rows ``past`` (``(k, v)`` ``[1, H_kv, P, hd]``) and to the new rows up to itself.
-        Returns ``[n, D]`` hidden states before ``norm`` and the cache with the new rows."""
+        Returns ``[n, D]`` hidden states before ``norm`` and the cache with the new rows (a draft step is fed
+        :meth:`carry` of the previous one's)."""
         h = hidden[None].to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(h, positions[None])
         q, k, v = self.midlayer.qkv(self.embed(ids[None]), h, cos, sin)
@@ -285,15 +340,19 @@ class Eagle3DraftModel(nn.Module):
 
 
 def eagle3_loss(model: Eagle3DraftModel, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Cross-entropy of every unrolled step against the target's own next tokens (self-distilled rows).
+                settings, teacher: tuple | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The objective at every unrolled step against the target's own next tokens (self-distilled rows).
 
     Args:
         hidden: ``[B, T, J, D]`` from :meth:`Eagle3DraftModel.forward`; input_ids, loss_mask: ``[B, T]``.
-        decay: step j's weight is ``decay ** j``; the loss is the weighted mean over targets the draft
-            vocabulary holds (a token outside it cannot be proposed: it counts as a miss in the metrics).
+        settings: ``eagle3``'s :class:`~draftheads.training.objectives.Objective`: step j (1-based) is chain
+            position j; the loss is the weighted mean over targets the draft vocabulary holds (a token outside it
+            cannot be proposed: it counts as a miss in the metrics).
+        teacher: ``(last [B, T, D], lm_head)``, the target's last hidden states and LM head, for a distillation
+            objective (its distribution over the draft vocabulary, renormalised); None for ``ce``.
     Returns ``(loss, metrics)``: :func:`~draftheads.training.held_out.chain_estimates` over steps (``acc_pos{k}``
-    for step k, ``alpha_pos{k}``, ``tau_estimate``) and ``vocab_coverage`` (targets the draft vocabulary holds).
+    for step k, ``alpha_pos{k}``, ``tau_estimate``), ``vocab_coverage`` (targets the draft vocabulary holds) and,
+    under a distillation objective, ``overlap`` (mean ``sum_v min(p_v, q_v)``).
     Raises ``ValueError`` when no step has a target in the draft vocabulary.
     """
     B, T, J, _ = hidden.shape
@@ -307,20 +366,27 @@ def eagle3_loss(model: Eagle3DraftModel, hidden: torch.Tensor, input_ids: torch.
     if not held.any():
         raise ValueError("an EAGLE-3 batch has no target in the draft vocabulary: no trainable token 2+ positions "
                          "after another, or eagle3.draft_vocab_size too small")
-    weights = (decay ** torch.arange(J, device=hidden.device, dtype=torch.float32)).expand(B, T, J)[held]
+    if teacher is not None:
+        last, head = teacher  # the target predicts token s+2+j from its state at s+1+j
+        rows = head.weight[model.draft_ids()]
+        teacher = (last[:, (pos - 1).clamp(max=T - 1)][held], rows,
+                   None if head.bias is None else head.bias[model.draft_ids()])
     # chunked through the drafter's own head (inside its forward): no [targets, V_draft] logits
-    loss, _, top = model.lm_head(model.norm(hidden[held]), draft_labels[held], weights / weights.sum(), 1)
+    out = drafted_loss(model.lm_head, model.norm(hidden[held]), draft_labels[held], held, settings, teacher)
     with torch.no_grad():
         correct = torch.zeros_like(valid)
-        correct[held] = top[:, 0] == draft_labels[held]
+        correct[held] = out.top[:, 0] == draft_labels[held]
         metrics = chain_estimates(correct, valid)
         metrics["vocab_coverage"] = held.sum() / valid.sum()
-    return loss, metrics
+        if out.alpha is not None:
+            metrics["overlap"] = out.alpha.mean()
+    return out.loss, metrics
 
 
 class Eagle3Drafter:
     """A trained :class:`Eagle3DraftModel` as the evaluator's chain drafter: gamma drafts from its argmax, each
-    step fed the previous step's hidden state (vLLM's EAGLE proposer).
+    step fed the previous step's hidden state (vLLM's EAGLE proposer; after ``norm`` under ``norm_output``:
+    :meth:`Eagle3DraftModel.carry`, as in training).
 
     Each call appends the newly committed rows (their target features beside the next tokens) to the drafter's
     KV cache, which keeps only rows the target made; the draft rows of a call are dropped at the next one.
@@ -355,5 +421,6 @@ class Eagle3Drafter:
             out.append(model.target_logits(hidden)[0])
             if i + 1 < self.gamma:
                 token = out[-1].argmax(-1, keepdim=True)
-                hidden, cache = model.extend(token, hidden, torch.tensor([self._length + i], device=device), cache)
+                at = torch.tensor([self._length + i], device=device)
+                hidden, cache = model.extend(token, model.carry(hidden), at, cache)  # fed as in training
         return torch.stack(out)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from draftheads.drafters.eagle3.config import Eagle3RunConfig
 from draftheads.drafters.eagle3.export import export_eagle3, load_eagle3
-from draftheads.drafters.eagle3.model import Eagle3DraftModel, Eagle3Drafter, default_layer_ids, draft_vocabulary
+from draftheads.drafters.eagle3.model import (NORM_FLAGS, Eagle3DraftModel, Eagle3Drafter, default_layer_ids,
+                                              draft_vocabulary, norm_flags)
 from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.training.recipe import FeatureRecipe, Trained
 
@@ -38,23 +39,31 @@ class Eagle3(FeatureRecipe):
         return None
 
     def build(self, conf: Eagle3RunConfig, target, tokenizer, rows: list[dict]) -> Eagle3DraftModel:
-        """A fresh drafter whose draft vocabulary is the rows' most frequent trained tokens."""
+        """A fresh drafter whose draft vocabulary is the rows' most frequent trained tokens, with EAGLE-3.1's
+        ``eagle3.{fc_norm,norm_before_fc,norm_output}``."""
         vocab_size = target.config.vocab_size
         vocabulary = draft_vocabulary(rows, vocab_size, min(conf.eagle3.draft_vocab_size, vocab_size))
-        return Eagle3DraftModel.for_target(target, list(self.state_layers(conf, target)), vocabulary)
+        flags = {name: getattr(conf.eagle3, name) for name in NORM_FLAGS}
+        return Eagle3DraftModel.for_target(target, list(self.drafter_layers(conf, target)), vocabulary, **flags)
 
     def describe(self, conf: Eagle3RunConfig, drafter: Eagle3DraftModel) -> str:
+        on = [name for name, value in norm_flags(drafter.config).items() if value]
         return (f"EAGLE-3, target layers {list(drafter.target_layer_ids)}, draft vocabulary {len(drafter.d2t)} of "
-                f"{drafter.config.vocab_size}, {conf.eagle3.ttt_steps} training-time-test steps")
+                f"{drafter.config.vocab_size}, {conf.eagle3.ttt_steps} training-time-test steps"
+                + (f", EAGLE-3.1 {' '.join(on)}" if on else ""))
 
     def training(self, conf: Eagle3RunConfig, drafter: Eagle3DraftModel, target, online: bool) -> Eagle3Training:
-        return Eagle3Training(drafter, target, conf.eagle3.ttt_steps, conf.eagle3.step_decay, online=online)
+        return Eagle3Training(drafter, target, conf.eagle3.ttt_steps, self.objective(conf), online=online)
 
     def write_export(self, drafter: Eagle3DraftModel, folder: Path) -> Path:
         path = export_eagle3(drafter, folder)
         if "eagle_aux_hidden_state_layer_ids" in drafter.config.eagle_config:
             print(f"{path}: target layers {list(drafter.target_layer_ids)} are not the servers' default, so the "
                   f"export names them as vLLM reads them; SGLang reads those ids one layer later", flush=True)
+        on = [name for name, value in norm_flags(drafter.config).items() if value]
+        if on:
+            print(f"{path}: EAGLE-3.1 {', '.join(on)}: vLLM 0.32 reads them; SGLang's llama_eagle3.py (as checked) "
+                  f"does not, and would serve this drafter without them", flush=True)
         return path
 
     def read_export(self, folder: Path, target) -> Eagle3DraftModel:
@@ -62,7 +71,7 @@ class Eagle3(FeatureRecipe):
 
     def drafter_config(self, conf: Eagle3RunConfig, drafter: Eagle3DraftModel) -> dict:
         return {"target_layer_ids": list(drafter.target_layer_ids), "draft_vocab_size": len(drafter.d2t),
-                "ttt_steps": conf.eagle3.ttt_steps, "gamma": conf.eagle3.gamma}
+                "ttt_steps": conf.eagle3.ttt_steps, "gamma": conf.eagle3.gamma, **norm_flags(drafter.config)}
 
     def chain(self, conf: Eagle3RunConfig, trained: Trained, target) -> Eagle3Drafter:
         return Eagle3Drafter(trained.model, conf.eagle3.gamma)

@@ -5,18 +5,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftheads.training.config import RunConfig, StageConfig
+from draftheads.training.objectives import Objective
 
 
 @dataclass
-class MedusaConfig:
-    """The Medusa heads (arXiv 2401.10774)."""
+class MedusaConfig(Objective):
+    """The Medusa heads (arXiv 2401.10774) and their objective (:class:`~draftheads.training.objectives.Objective`,
+    in both stages; a distillation objective's target is the original target's distribution)."""
     num_heads: int = 4
     num_layers: int = 1
     """Residual blocks per head."""
     per_head_lm_head: bool = False
     """Give every head its own LM head (initialised from the target's); default shares the frozen one."""
-    decay: float = 0.8
-    """Head k's loss weight is decay^k."""
+    decay: float | None = None
+    """Removed (``RENAMED`` in draftheads/training/config.py): ``medusa.position_decay``."""
+    position_decay: float | None = 0.8
+    """Head k weighs ``position_decay ** k`` under ``position_weights: decay`` (Medusa paper eq. 2, lambda_k;
+    its code's 0.8), each head's loss a mean over its positions."""
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftheads.training.lm_head_loss import LMHead, head_cross_entropy
+from draftheads.training.lm_head_loss import LMHead, head_loss
+from draftheads.training.objectives import PositionWeights, chain_weights, loss_mix, normalise
 
 
 class ResBlock(nn.Module):
@@ -147,42 +148,67 @@ def medusa_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: 
 
 
 def medusa_loss(heads: MedusaHeads, hidden_states: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                lm_head: nn.Module | None, decay: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Medusa-1 loss ``sum_k decay^k * CE_k`` (paper eq. 2 with lambda_k = decay^k, k 1-based) and metrics.
+                lm_head: nn.Module | None, settings, teacher_states: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The heads' loss and metrics: head k's objective at every position t where its label is valid, the heads
+    at t forming a chain of drafts (:mod:`draftheads.training.objectives`). Under ``position_weights: decay``
+    it is Medusa-1's ``sum_k position_decay^k * mean_t CE_k`` (paper eq. 2 with lambda_k = decay^k, k 1-based;
+    Medusa's code uses 0.8 too).
 
     Each head runs only at positions where its label is valid: the LM head (V x D per token) is the cost, and its
-    ``[positions, V]`` logits are never materialised (:func:`~draftheads.training.lm_head_loss.head_cross_entropy`).
+    ``[positions, V]`` logits are never materialised (:func:`~draftheads.training.lm_head_loss.head_loss`).
 
     Args:
         heads: the Medusa heads.
-        hidden_states: ``[B, T, D]`` float, target last hidden states (after the final norm).
+        hidden_states: ``[B, T, D]`` float, the last hidden states the heads read (after the final norm).
         labels, valid: ``[K, B, T]`` from :func:`medusa_targets`.
         lm_head: the target's LM head, or None for per-head LM heads.
-        decay: lambda base, 0.8 by default in draftheads (Medusa's code uses 0.8 too).
+        settings: ``medusa``'s :class:`~draftheads.training.objectives.Objective`.
+        teacher_states: ``[B, T, D]`` the original target's last hidden states, for a distillation objective
+            (the target predicts token t+k+1, head k's label, from its state at t+k, through ``lm_head``).
     Returns:
-        the scalar loss and detached metrics ``head{k}_loss``, ``head{k}_top1``, ``head{k}_top5`` (1-based k).
-        A head without a valid position adds 0 to the loss (still in the graph) and NaN metrics, so every
-        rank has the same parameters used and the same metric keys.
+        the scalar loss and detached metrics ``head{k}_loss`` (cross-entropy), ``head{k}_top1``, ``head{k}_top5``
+        (1-based k), and ``head{k}_overlap`` (mean ``sum_v min(p_v, q_v)``) under a distillation objective. A head
+        without a valid position adds 0 to the loss (still in the graph) and NaN metrics, so every rank has the
+        same parameters used and the same metric keys.
     """
+    K, B, T = labels.shape
+    mix = loss_mix(settings.loss, "medusa.loss")
+    states = [heads.blocks[k](hidden_states[valid[k]]) for k in range(K)]
+    chains = valid.permute(1, 2, 0)  # [B, T, K]: the heads' drafts at one position
+    ce = None
+    if settings.position_weights == PositionWeights.dpace:
+        ce = torch.zeros(chains.shape, device=hidden_states.device)
+        with torch.no_grad():
+            for k in range(K):
+                ce[..., k][valid[k]] = head_loss(heads.lm_head_of(k, lm_head), states[k], labels[k][valid[k]]).ce
+    weights = chain_weights(settings, chains, ce)
+    weights = normalise(weights, chains if settings.position_weights == PositionWeights.decay else None)
     total = hidden_states.new_zeros(())
     metrics: dict[str, torch.Tensor] = {}
-    for k in range(labels.shape[0]):
+    for k in range(K):
         positions = valid[k]
         target = labels[k][positions]
-        state = heads.blocks[k](hidden_states[positions])
-        mean = torch.full((len(target),), 1 / max(len(target), 1), device=state.device)
-        loss, ce, top5 = head_cross_entropy(heads.lm_head_of(k, lm_head), state, target, mean)
+        head = heads.lm_head_of(k, lm_head)
+        teacher = None
+        if teacher_states is not None:
+            ahead = (torch.arange(T, device=positions.device) + k + 1).clamp(max=T - 1)
+            teacher = (teacher_states[:, ahead][positions], lm_head.weight, lm_head.bias)
+        out = head_loss(head, states[k], target, weights=weights[..., k][positions], k=5, teacher=teacher, mix=mix,
+                        temperature=settings.loss_temperature)
         # a head without a position adds a zero loss, still in the graph (DDP expects a gradient for every
         # parameter on every rank)
-        total = total + decay ** (k + 1) * loss
+        total = total + out.loss
         if not len(target):
             nan = hidden_states.new_tensor(float("nan"))
             metrics.update({f"head{k + 1}_{m}": nan for m in ("loss", "top1", "top5")})
             continue
         with torch.no_grad():
-            metrics[f"head{k + 1}_loss"] = ce.mean()
-            metrics[f"head{k + 1}_top1"] = (top5[:, 0] == target).float().mean()
-            metrics[f"head{k + 1}_top5"] = (top5 == target[:, None]).any(-1).float().mean()
+            metrics[f"head{k + 1}_loss"] = out.ce.mean()
+            metrics[f"head{k + 1}_top1"] = (out.top[:, 0] == target).float().mean()
+            metrics[f"head{k + 1}_top5"] = (out.top == target[:, None]).any(-1).float().mean()
+            if out.alpha is not None:
+                metrics[f"head{k + 1}_overlap"] = out.alpha.mean()
     return total, metrics
 
 

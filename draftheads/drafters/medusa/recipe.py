@@ -37,7 +37,9 @@ class Medusa(Recipe):
     vllm_weights = "export/vllm"
 
     def check(self, conf: MedusaRunConfig, target) -> None:
-        """Stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them every epoch)."""
+        """The objective's keys, stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them
+        every epoch)."""
+        super().check(conf, target)
         check_unfreeze(target, conf.stage2)
         if conf.data.target_states == TargetStates.online:
             raise ValueError("data.target_states=online: Medusa's heads read the target's states every epoch, "
@@ -64,7 +66,7 @@ class Medusa(Recipe):
             heads.init_lm_heads_from(target.get_output_embeddings())
         meta = {"model": job.identity, "step_offset": 0, "curves": {}}  # every checkpoint carries earlier curves
         if conf.stage1.enabled and resume_stage != "stage2":
-            strategy = MedusaStage1(heads, target, conf.medusa.decay)
+            strategy = MedusaStage1(heads, target, conf.medusa)
             state = fit(accelerator, strategy, rows, conf.trainer, conf.stage1, out, pad, meta,
                         resume_from=str(resume[0]) if resume else None)
             heads = strategy.module.heads  # the trained heads (a plain copy after FSDP/DeepSpeed)
@@ -76,7 +78,7 @@ class Medusa(Recipe):
             s2 = conf.stage2
             L = target.config.num_hidden_layers
             hold_layers(target, range(L - s2.unfreeze_last_n_layers, L))  # a partial target reads the N it trains
-            strategy = MedusaStage2(heads, target, s2.unfreeze_last_n_layers, conf.medusa.decay, s2.kl_weight,
+            strategy = MedusaStage2(heads, target, s2.unfreeze_last_n_layers, conf.medusa, s2.kl_weight,
                                     s2.backbone_lr_scale)
             state = fit(accelerator, strategy, rows, conf.trainer, s2, out, pad, meta,
                         resume_from=str(resume[0]) if resume_stage == "stage2" else None)
@@ -92,7 +94,8 @@ class Medusa(Recipe):
         split_states(rows, job.target.get_decoder().norm)
         s2 = job.conf.stage2
         val, rank_accuracy = validate(job.target, trained.model, rows, job.conf.data.target_batch_size,
-                                      job.tokenizer.pad_token_id, s2.unfreeze_last_n_layers if s2.enabled else 0)
+                                      job.tokenizer.pad_token_id, s2.unfreeze_last_n_layers if s2.enabled else 0,
+                                      job.conf.medusa)
         trained.saved["head_rank_accuracy"] = rank_accuracy
         return val
 

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
 from draftheads.models.target import decoder_layers, hidden_states_from
+from draftheads.training.objectives import Objective, add_noise, needs_target
 from draftheads.training.spine import ModuleStrategy
 
 
@@ -36,16 +37,18 @@ def next_token_positions(loss_mask: torch.Tensor, documents: torch.Tensor | None
 
 
 class _Stage1Module(nn.Module):
-    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, decay: float):
+    def __init__(self, heads: MedusaHeads, lm_head: nn.Module, settings: Objective):
         super().__init__()
         self.heads = heads
         self.frozen = (lm_head,)  # a tuple hides it from registration: not trained, not saved
-        self.decay = decay
+        self.settings = settings
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads,
                                        batch.get("documents"))
-        return medusa_loss(self.heads, batch["hidden_states"], labels, valid, self.frozen[0], self.decay)
+        hidden = batch["hidden_states"]
+        return medusa_loss(self.heads, add_noise(hidden, self.settings.feature_noise), labels, valid,
+                           self.frozen[0], self.settings, hidden if needs_target(self.settings) else None)
 
 
 class MedusaStage1(ModuleStrategy):
@@ -53,8 +56,8 @@ class MedusaStage1(ModuleStrategy):
     name = "stage1"
     required_fields = ("input_ids", "loss_mask", "hidden_states")
 
-    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, decay: float):
-        self.module = _Stage1Module(heads, target.get_output_embeddings(), decay)
+    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, settings: Objective):
+        self.module = _Stage1Module(heads, target.get_output_embeddings(), settings)
 
     def param_groups(self, lr: float) -> list[dict]:
         return [{"params": [p for p in self.module.heads.parameters() if p.requires_grad], "lr": lr}]
@@ -103,12 +106,13 @@ def trained_hidden_states(target: PreTrainedModel, batch: dict, n_layers: int) -
 
 
 class _Stage2Module(nn.Module):
-    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float, kl_weight: float):
+    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, settings: Objective,
+                 kl_weight: float):
         super().__init__()
         self.heads = heads
         self.layers = nn.ModuleList(decoder_layers(target)[-n_layers:])  # the same objects as in the target
         self.frozen = (target,)
-        self.decay, self.kl_weight = decay, kl_weight
+        self.settings, self.kl_weight = settings, kl_weight
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
         target = self.frozen[0]
@@ -116,7 +120,9 @@ class _Stage2Module(nn.Module):
         hidden = trained_hidden_states(target, batch, len(self.layers))
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], self.heads.num_heads,
                                        batch.get("documents"))
-        head_loss, metrics = medusa_loss(self.heads, hidden, labels, valid, lm_head, self.decay)
+        original = batch["hidden_states"]  # the original target's: the teacher of a distillation objective
+        head_loss, metrics = medusa_loss(self.heads, add_noise(hidden, self.settings.feature_noise), labels, valid,
+                                         lm_head, self.settings, original if needs_target(self.settings) else None)
         positions = next_token_positions(batch["loss_mask"], batch.get("documents"))
         kl, agree = self_distillation(lm_head(hidden[positions]), lm_head(batch["hidden_states"][positions]))
         metrics.update(heads_loss=head_loss.detach(), kl_to_original=kl.detach(), greedy_agreement=agree)
@@ -137,9 +143,9 @@ class MedusaStage2(ModuleStrategy):
     self-distillation term."""
     name = "stage2"
 
-    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, decay: float,
+    def __init__(self, heads: MedusaHeads, target: PreTrainedModel, n_layers: int, settings: Objective,
                  kl_weight: float, backbone_lr_scale: float):
-        self.module = _Stage2Module(heads, target, n_layers, decay, kl_weight)
+        self.module = _Stage2Module(heads, target, n_layers, settings, kl_weight)
         every = n_layers == len(decoder_layers(target))
         self.required_fields = ("input_ids", "loss_mask", "hidden_states", *(() if every else ("layer_input",)))
         self.module.layers.requires_grad_(True)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from draftheads.data.batching import collate
 from draftheads.drafters.medusa.heads import MedusaHeads, medusa_loss, medusa_targets
 from draftheads.drafters.medusa.training import next_token_positions, self_distillation, trained_hidden_states
+from draftheads.training.objectives import Objective, needs_target
 
 
 TOPK_RANKS = 10
@@ -24,13 +25,14 @@ TOPK_RANKS = 10
 
 @torch.inference_mode()
 def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_token_id: int,
-             trained_layers: int = 0) -> tuple[dict[str, float], list[list[float]]]:
+             trained_layers: int = 0, settings: Objective | None = None) -> tuple[dict[str, float], list[list[float]]]:
     """Metrics over ``rows`` (each with the original target's ``hidden_states``, and ``layer_input`` when stage
     2 trained the last ``trained_layers`` layers of ``target``; 0: the target is the original), weighted by
-    tokens.
+    tokens; ``settings``, the heads' objective: a distillation objective's overlap is reported too.
 
     Returns:
-        ``val/head{k}_top1|top5|loss`` and ``drift/kl_to_original``, ``drift/greedy_agreement``,
+        ``val/head{k}_top1|top5|loss`` (and ``val/head{k}_overlap`` under a distillation objective: the mean
+        ``sum_v min(p_v, q_v)`` against the original target at ``loss_temperature``) and ``drift/kl_to_original``, ``drift/greedy_agreement``,
         ``drift/ppl_original``, ``drift/ppl_trained``, ``drift/ppl_change`` (ratio - 1); and ``[K][10]``
         rank accuracies: how often head k's rank-r candidate is the label (what the default tree is grown from).
     """
@@ -44,13 +46,15 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_
         hidden = (trained_hidden_states(target, batch, trained_layers) if trained_layers else
                   batch["hidden_states"])
         labels, valid = medusa_targets(batch["input_ids"], batch["loss_mask"], heads.num_heads)
-        _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, decay=1.0)
+        settings = settings or Objective(position_decay=1.0)
+        _, metrics = medusa_loss(heads, hidden, labels, valid, lm_head, settings,
+                                 batch["hidden_states"] if needs_target(settings) else None)
         states = heads.head_states(hidden)
         for k in range(heads.num_heads):
             top = heads.head_logits(k, states[k][valid[k]], lm_head).topk(TOPK_RANKS, dim=-1).indices
             rank_hits[k] += (top == labels[k][valid[k]][:, None]).float().sum(0).cpu()
             n = float(valid[k].sum())
-            for name in ("loss", "top1", "top5") if n else ():
+            for name in [m for m in ("loss", "top1", "top5", "overlap") if f"head{k + 1}_{m}" in metrics] if n else ():
                 sums[f"val/head{k + 1}_{name}"] += float(metrics[f"head{k + 1}_{name}"]) * n
                 weights[f"val/head{k + 1}_{name}"] += n
         positions = next_token_positions(batch["loss_mask"])
