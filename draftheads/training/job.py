@@ -126,10 +126,11 @@ def decoding_line(conf, target, tokenizer) -> str:
                    f"apply applies them): every path decodes with the configured settings" if defaults else "")
 
 
-RUN_ENTRIES = ("config.yaml", TARGET_FILE, "report.json", "report.json.tmp", "checkpoints", "export", "medusa_heads",
+RUN_ENTRIES = ("config.yaml", TARGET_FILE, "report.json", "report.json.tmp", "checkpoints", "export",
                "acceptance.png", "vllm_parity.json", "hidden_states", "logs", "wandb", "wandb_run_id")
-"""What a run, its state cache build, its tracker and the jobs reading it back write in its output_dir (a
-drafter's own save: ``export/``, ``medusa_heads/``): an overwriting run deletes these and nothing else."""
+"""What a run, its state cache build, its tracker and the jobs reading it back write in its output_dir (with
+what its drafter saves beside ``export/``: ``Recipe.saved_entries``): an overwriting run deletes these and
+nothing else."""
 
 PROBE = ".write-probe-"
 """Name prefix of :func:`check_writable`'s probe file (one left by a killed job is a run's too)."""
@@ -143,15 +144,15 @@ def claim_job_dir(conf: RunConfig, recipe: Recipe | None, delete: bool) -> None:
         return
     reads_cache = recipe is None or conf.data.target_states == TargetStates.disk
     claim_output_dir(Path(conf.output_dir), conf.overwrite, delete, keep=state_cache_dir(conf) if reads_cache else None,
-                     resumable=recipe is not None)
+                     resumable=recipe is not None, saved=recipe.saved_entries if recipe is not None else ())
 
 
 def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None = None,
-                     resumable: bool = True) -> None:
+                     resumable: bool = True, saved: tuple[str, ...] = ()) -> None:
     """Every job's claim on its output_dir. A folder holding a training run (:func:`run_marks`) is refused:
     ``FileExistsError`` naming the choices (``resume=true`` for a ``resumable`` job, ``overwrite=true``, another
     output_dir), before any work. With ``overwrite`` and ``delete`` (the main process, once) the old run's files
-    (:data:`RUN_ENTRIES`) are deleted but the state cache at ``keep`` (the one this job reads or writes), so
+    (:data:`RUN_ENTRIES`, and ``saved``: what the job's drafter saves there) are deleted but the state cache at ``keep`` (the one this job reads or writes), so
     nothing of the old run is left beside this one's. A folder holding a run and files no run writes
     (output_dir=. or $HOME by mistake) is refused with ``FileExistsError`` naming them, nothing in it deleted.
     A folder holding no run (a state cache build, a run that failed before training) is taken as it is."""
@@ -162,7 +163,7 @@ def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None
         choices = "resume=true continues it, " if resumable else ""
         raise FileExistsError(f"output_dir={out} holds a training run ({', '.join(marks)}): {choices}overwrite=true "
                               f"starts afresh there, or choose another output_dir")
-    old = _old_run(out, keep)  # refused before anything is deleted
+    old = _old_run(out, keep, RUN_ENTRIES + tuple(saved))  # refused before anything is deleted
     for p in old if delete else ():
         p.unlink() if p.is_symlink() or not p.is_dir() else shutil.rmtree(p)  # a link goes, never its target
 
@@ -183,14 +184,14 @@ def _nothing_finished(report: Path) -> bool:
         return False
 
 
-def _old_run(out: Path, keep: Path | None) -> list[Path]:
+def _old_run(out: Path, keep: Path | None, entries: tuple[str, ...]) -> list[Path]:
     """The entries of ``out`` an overwriting run deletes: all but the one holding ``keep``.
-    Raises ``FileExistsError`` naming those no run writes, before anything is deleted."""
+    Raises ``FileExistsError`` naming those not in ``entries`` (no run writes them), before anything is deleted."""
     old = [p for p in out.iterdir() if not (keep is not None and _holds(p, keep))]
-    foreign = sorted(p.name for p in old if p.name not in RUN_ENTRIES and not p.name.startswith(PROBE))
+    foreign = sorted(p.name for p in old if p.name not in entries and not p.name.startswith(PROBE))
     if foreign:
         raise FileExistsError(f"output_dir={out} holds a training run and files no run writes ({', '.join(foreign)}): "
-                              f"overwrite=true deletes only a run's own ({', '.join(RUN_ENTRIES)}); move them away or "
+                              f"overwrite=true deletes only a run's own ({', '.join(entries)}); move them away or "
                               f"choose another output_dir")
     return old
 

@@ -54,6 +54,8 @@ class Recipe:
     """Checkpoint stage names, in training order (resume refuses a checkpoint of any other)."""
     vllm_weights: str
     """The export folder (relative to the run) that vLLM loads, read back for parity."""
+    saved_entries: tuple[str, ...] = ()
+    """What its save writes in the run's folder beside ``export/`` (an overwriting run deletes them too)."""
 
     def check(self, conf, target) -> None:
         """Refuse settings that would fail later, before the data is built (``ValueError``). Default: the

@@ -35,6 +35,7 @@ class Medusa(Recipe):
     schema = MedusaRunConfig
     stages = ("stage1", "stage2")
     vllm_weights = "export/vllm"
+    saved_entries = ("medusa_heads",)
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """The objective's keys, stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them
