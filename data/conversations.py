@@ -19,10 +19,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 from draftheads.data.batching import DataReport
-from draftheads.data.sources import SOURCES, Prompt, PromptSource, builtin_prompts, hub_rows
+from draftheads.data.sources import SOURCES, Prompt, PromptSource, builtin_prompts, chitchat_messages, hub_rows
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -285,6 +285,49 @@ def load_chats(src: PromptSource, part: str, limit: int, fmt: str = "auto", stri
 def first_user_prompts(src: PromptSource, part: str, limit: int) -> list[Prompt]:
     """Up to ``limit`` prompts of ``src`` (an eval set): each conversation up to its first answer, i.e. its system
     turn if any and its first user turn, read strictly (the first bad row raises its :class:`BadRow`)."""
-    return [Prompt(c.source, c.row, next(m["content"] for m in c.messages if m["role"] == "user"),
-                   c.messages[0]["content"] if c.messages[0]["role"] == "system" else None)
-            for c in load_chats(src, part, limit, strict=True)]
+    return [_first_prompt(c) for c in load_chats(src, part, limit, strict=True)]
+
+
+def _first_prompt(chat: Chat) -> Prompt:
+    return Prompt(chat.source, chat.row, next(m["content"] for m in chat.messages if m["role"] == "user"),
+                  chat.messages[0]["content"] if chat.messages[0]["role"] == "system" else None)
+
+
+def prompt_pieces(src: PromptSource, part: str) -> Iterator[Prompt]:
+    """Every prompt of ``src`` in order, read lazily and strictly, as the pieces :func:`long_prompts` joins:
+    every message of chitchat's conversations (:func:`~data.sources.chitchat_messages`: a conversation's messages
+    stay together, in order), any other source's prompts as :func:`first_user_prompts` reads them."""
+    if src.source == "chitchat":
+        yield from chitchat_messages(part)
+        return
+    for where, source, row, raw in raw_rows(src, part, None):
+        yield _first_prompt(to_chat(raw, where, source, row, "auto", src.field))
+
+
+def long_prompts(pieces: Iterable[Prompt], limit: int, min_tokens: int, count: Callable[[Prompt], int]) -> list[Prompt]:
+    """Up to ``limit`` prompts of at least ``min_tokens`` tokens (``count``: the tokens of the prompt the target
+    reads, chat template included), each joining consecutive ``pieces`` by a blank line (the first one's system
+    turn and provenance kept); what is left when the pieces run out, shorter, is dropped.
+
+    Each piece is counted once alone and the joined prompt only when those counts (less the template around
+    each, plus the blank line's tokens) say it is long enough, so a source of short prompts costs linear, not
+    quadratic, tokenization."""
+    pieces = iter(pieces)
+    piece, out = next(pieces, None), []
+    if piece is not None:
+        alone = lambda text: count(Prompt(piece.source, piece.row, text))  # noqa: E731
+        overhead = alone("")  # the template around a user turn's text
+        seam = alone("a\n\na") - 2 * alone("a") + overhead  # the blank line's tokens (1 or 2, by tokenizer)
+    while piece is not None and len(out) < limit:
+        joined = piece
+        known = estimate = count(joined)
+        piece = next(pieces, None)
+        while known < min_tokens and piece is not None:
+            joined = Prompt(joined.source, joined.row, f"{joined.text}\n\n{piece.text}", joined.system)
+            estimate += count(Prompt(piece.source, piece.row, piece.text)) - overhead + seam
+            piece = next(pieces, None)
+            if estimate >= min_tokens or piece is None:
+                known = estimate = count(joined)  # the joined prompt decides: pieces may merge at the seams
+        if known >= min_tokens:
+            out.append(joined)
+    return out

@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from draftheads.choice import Choice
 from draftheads.packaged import chitchat_conversations, package_file
@@ -57,6 +58,18 @@ def chitchat_prompts(split: str, limit: int, min_chars: int = 40, max_chars: int
         if len(prompts) == limit:
             break
     return prompts
+
+
+def chitchat_messages(split: str) -> Iterator[Prompt]:
+    """Every message of the conversations of ``split``, conversation after conversation, in order: the pieces
+    long prompts are joined from (:func:`data.conversations.long_prompts`), a few dozen tokens each, so a long
+    prompt passes its length by less than one message. Raises ``ValueError`` for an unknown split."""
+    if split not in SPLITS:
+        raise ValueError(f"chitchat split {split!r} is not one of {sorted(SPLITS)}")
+    lo, hi = SPLITS[split]
+    for row, conv in enumerate(chitchat_conversations()):
+        if lo <= _bucket(conv.id) < hi:
+            yield from (Prompt("chitchat", row, m) for m in conv.messages if m.strip())
 
 
 HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n"

@@ -3,7 +3,8 @@
 Layout of a cache folder:
 - ``shard-00000.safetensors`` ...: rows ``[k * shard_rows, (k + 1) * shard_rows)`` of the job's row list, one
   tensor per row (``row<i>``: ``[T_i, D]`` last hidden states, or ``[T_i, K*D]`` layer features), in the cache
-  dtype; each shard is written to a temporary name and renamed, then its ``.json`` (row indices, sha256);
+  dtype (fp8: also ``row<i>.scale``, ``[T_i]`` float32, one scale per position: :func:`quantize_fp8`); each
+  shard is written to a temporary name and renamed, then its ``.json`` (row indices, sha256);
 - ``manifest.json``: what the states are for (:class:`CacheSpec`: target identity and weights fingerprint, layer
   ids, tokenizer, max length, data fingerprint, dtype) and every shard's checksum, written when all are there.
 
@@ -25,12 +26,61 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from draftheads.choice import Choice
 from draftheads.data.batching import collate, rows_sha256
 from draftheads.data.hidden_states import last_hidden_states, layer_features
 from draftheads.models.partial import named_weights
-from draftheads.models.target import torch_dtype
 
 MANIFEST = "manifest.json"
+
+
+class StatesDtype(Choice):
+    """Dtype of the state cache on disk (``data.target_states_dtype``); read back in the training dtype."""
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+    float8_e4m3fn = "float8_e4m3fn"
+    """fp8 (e4m3, largest value 448) scaled per row and position: each position's states are divided by their
+    largest magnitude over the features / 448 before rounding, and that scale is kept beside them in float32
+    (:func:`quantize_fp8`). Relative error at most 2^-4 (6.25%) per element of at least the position's amax /
+    28,672 (fp8's smallest normal, 2^-6, at 448), smaller ones within amax / 2^18; bytes per token: the width
+    plus 4, about half of bf16's."""
+
+
+FP8 = StatesDtype.float8_e4m3fn.value
+STORED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          FP8: torch.float8_e4m3fn}
+"""Each :class:`StatesDtype`'s element type on disk."""
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quantize_fp8(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, W]`` states -> ``[T, W]`` float8_e4m3fn values and ``[T]`` float32 scales, ``values * scale``
+    giving the states back: a scale per position (amax over the W features / 448), so a position's largest
+    state lands on fp8's largest value and every state keeps fp8's 3-bit mantissa (the residual stream's
+    magnitude differs by orders of magnitude between positions: one scale per row would flush the small ones).
+    An all-zero position gets scale 1 (zeros stay zeros)."""
+    x = states.float()
+    scale = x.abs().amax(-1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    values = (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX)  # the division's rounding stays inside fp8's range
+    return values.to(torch.float8_e4m3fn), scale
+
+
+def dequantize_fp8(values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The states :func:`quantize_fp8` encoded, in ``dtype`` (computed in float32, rounded once)."""
+    return (values.float() * scale.float()[:, None]).to(dtype)
+
+
+def bytes_per_token(width: int, dtype: str) -> int:
+    """Bytes one token's states take in a cache of ``dtype``: the width's elements, plus fp8's float32 scale."""
+    return width * STORED[dtype].itemsize + (4 if dtype == FP8 else 0)
+
+
+def source_dtype(dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype states are computed into before writing a cache of ``dtype``: that dtype, or for fp8 the
+    target's own (each position is scaled from the unrounded states, then rounded once)."""
+    return model_dtype if dtype == FP8 else STORED[dtype]
 
 
 @dataclass(frozen=True)
@@ -69,8 +119,19 @@ def cache_spec(model, identity: dict, tokenizer, rows: list[dict], layer_ids: Se
 
 
 def estimated_bytes(rows: list[dict], width: int, dtype: str) -> int:
-    """Disk size of the states: tokens x feature width x bytes per element."""
-    return sum(len(r["input_ids"]) for r in rows) * width * torch.empty(0, dtype=torch_dtype(dtype)).element_size()
+    """Disk size of the states: tokens x :func:`bytes_per_token` (safetensors headers left out)."""
+    return sum(len(r["input_ids"]) for r in rows) * bytes_per_token(width, dtype)
+
+
+def footprint(folder: str | Path, rows: list[dict], width: int, read_dtype: torch.dtype) -> dict:
+    """What a complete cache of ``rows`` costs: ``tokens``, ``disk_bytes`` (its shard files, headers included)
+    and per token, and ``ram_bytes_per_token`` of the states training holds once it has read them back (in
+    ``read_dtype``, dequantised: fp8 saves disk, not RAM)."""
+    manifest = json.loads((Path(folder) / MANIFEST).read_text())
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    disk = sum((Path(folder) / s["file"]).stat().st_size for s in manifest["shards"])
+    return {"dtype": manifest["spec"]["dtype"], "tokens": tokens, "disk_bytes": disk,
+            "disk_bytes_per_token": disk / max(tokens, 1), "ram_bytes_per_token": width * read_dtype.itemsize}
 
 
 def file_sha256(path: Path) -> str:
@@ -137,12 +198,13 @@ def write_cache(states: StateSource, rows: list[dict], folder: str | Path, spec:
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    dtype = torch_dtype(spec.dtype)
     mine = pending_shards(folder, len(rows), shard_rows, rank, world_size)
     for k in tqdm(mine, desc="caching target states", unit="shard", disable=not show_progress):
         indices = shard_indices(k, len(rows), shard_rows)
         got = states([rows[i] for i in indices])
-        tensors = {f"row{i}": t.to("cpu", dtype).contiguous() for i, t in zip(indices, got)}
+        tensors = {}
+        for i, t in zip(indices, got):
+            tensors |= _encode(f"row{i}", t.to("cpu"), spec.dtype)
         path = folder / _shard_name(k)
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
         save_file(tensors, str(tmp))
@@ -151,6 +213,21 @@ def write_cache(states: StateSource, rows: list[dict], folder: str | Path, spec:
         info.with_name(info.name + ".tmp").write_text(json.dumps({"rows": indices, "sha256": file_sha256(path)}))
         info.with_name(info.name + ".tmp").replace(info)
     return mine
+
+
+def _encode(name: str, states: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """One row's tensors in a shard: ``name`` in ``dtype``, and for fp8 ``name.scale`` besides."""
+    if dtype != FP8:
+        return {name: states.to(STORED[dtype]).contiguous()}
+    values, scale = quantize_fp8(states)
+    return {name: values.contiguous(), f"{name}.scale": scale.contiguous()}
+
+
+def _decode(tensors: dict[str, torch.Tensor], name: str, dtype: torch.dtype | None) -> torch.Tensor:
+    """One row's states from a shard, in ``dtype`` (default: the cache's; float32 for fp8)."""
+    if f"{name}.scale" in tensors:
+        return dequantize_fp8(tensors[name], tensors[f"{name}.scale"], dtype or torch.float32)
+    return tensors[name].to(dtype) if dtype is not None else tensors[name]
 
 
 def write_manifest(folder: str | Path, spec: CacheSpec, n_rows: int, shard_rows: int) -> Path:
@@ -172,8 +249,8 @@ def write_manifest(folder: str | Path, spec: CacheSpec, n_rows: int, shard_rows:
 def read_cache(folder: str | Path, spec: CacheSpec, rows: list[dict], indices: Sequence[int] | None = None,
                dtype: torch.dtype | None = None) -> None:
     """Attach cached states to ``rows`` in place (``hidden_states`` or ``target_features``, cast to ``dtype``,
-    default the cache's), only those at ``indices`` (default: all), reading and verifying just the shards that
-    hold them.
+    default the cache's; fp8 dequantised, float32 by default), only those at ``indices`` (default: all), reading
+    and verifying just the shards that hold them.
 
     Raises:
         FileNotFoundError: no manifest (the cache was never completed: run train/cache_hidden_states.py).
@@ -206,4 +283,4 @@ def read_cache(folder: str | Path, spec: CacheSpec, rows: list[dict], indices: S
             if tensors[f"row{i}"].shape[0] != len(rows[i]["input_ids"]):
                 raise ValueError(f"{path}: row {i} has {tensors[f'row{i}'].shape[0]} states for "
                                  f"{len(rows[i]['input_ids'])} tokens")
-            rows[i][key] = tensors[f"row{i}"].to(dtype) if dtype is not None else tensors[f"row{i}"]
+            rows[i][key] = _decode(tensors, f"row{i}", dtype)

@@ -124,6 +124,9 @@ class DecodeResult:
     token budget or a stop token cuts what is emitted (as vLLM's rejection sampler and EAGLE count)."""
     emitted_per_step: list[int] = field(default_factory=list)
     """Per verification step: tokens emitted (accepted + bonus, cut at EOS or the token budget)."""
+    context_per_step: list[int] = field(default_factory=list)
+    """Per verification step: the context length it drafts and verifies at, in tokens: the prompt plus every
+    token generated before the step (the newest one, not yet in the target's cache, included)."""
     top2_gaps: list[float] = field(default_factory=list)
     """Plain decoding only: target logit gap between its top-2 tokens at each step (ties show as tiny gaps)."""
     logit_steps: list[float] = field(default_factory=list)
@@ -278,6 +281,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         result.tokens, done = cut_at_stop(result.tokens + emitted, max_new_tokens, stop)
         result.accepted_per_step.append(n)
         result.emitted_per_step.append(len(result.tokens) - before)
+        result.context_per_step.append(len(prompt_ids) + before)
         hidden, x0 = states[n], next_token
     result.seconds = time.perf_counter() - start
     return result

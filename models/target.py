@@ -37,7 +37,8 @@ from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_te
 
 
 class Dtype(Choice):
-    """Weights dtype of a target (``model.dtype``) or of the state cache on disk (``data.target_states_dtype``)."""
+    """Weights dtype of a target (``model.dtype``); the state cache's (``data.target_states_dtype``), which also
+    takes fp8, is :class:`~draftheads.data.state_cache.StatesDtype`."""
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"

@@ -233,6 +233,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         result.tokens, done = cut_at_stop(result.tokens + emitted, max_new_tokens, stop)
         result.accepted_per_step.append(len(path))
         result.emitted_per_step.append(len(result.tokens) - before)
+        result.context_per_step.append(len(prompt_ids) + before)
         hidden, x0 = states[best], bonus
     result.seconds = time.perf_counter() - start
     return result

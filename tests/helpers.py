@@ -1,8 +1,9 @@
 """Pieces several test modules share (no test module imports another): the repository's config folder and the
 smoke job's settings, the training jobs as functions, a stub drafter base, a real 2-process launch under any
-engine, and a packed step checked against the padded one."""
+engine, a packed step checked against the padded one, and the chi-square test of lossless sampling."""
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from draftheads.data.batching import collate, pack
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters import register_configs
 from draftheads.jobs.train import train
+from draftheads.models.speculative import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -123,3 +125,45 @@ def greedy_lossless(metrics: dict) -> bool:
     two CPUs' SIMD kernels, may break such a tie either way; any other difference is a broken contract."""
     mismatches = metrics["mismatches"]
     return (metrics["greedy_match"] == 1.0) == (not mismatches) and all(m["tie"] for m in mismatches)
+
+
+Z_999 = 3.0902  # standard normal quantile for 1 - 1e-3
+
+
+def chi2_critical(df: int) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-3."""
+    return df * (1 - 2 / (9 * df) + Z_999 * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2_rejects(counts: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Pearson's test of observed ``counts`` against ``probs`` (cells with expected < 5 pooled); no
+    observation at all rejects too."""
+    n = counts.sum()
+    if n == 0:
+        return True
+    expected = probs.double() * n
+    big = expected >= 5
+    obs = torch.cat([counts.double()[big], counts.double()[~big].sum(0, keepdim=True)])
+    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat > chi2_critical(int(keep.sum()) - 1)
+
+
+def exact_joint(model, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``[V * V]``: the target's probability of each (first, second) generated token pair."""
+    vocab = model.config.vocab_size
+    with torch.no_grad():
+        first = sampling.probs(model(prompt[None]).logits[0, -1])
+        seconds = torch.stack([sampling.probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1])
+                               for a in range(vocab)])
+    return (first[:, None] * seconds).flatten()
+
+
+def pair_counts(decode, n: int, vocab: int) -> torch.Tensor:
+    """``[V * V]`` counts of the (first, second) tokens of ``n`` runs of ``decode()``."""
+    counts = torch.zeros(vocab * vocab, dtype=torch.long)
+    for _ in range(n):
+        a, b = decode().tokens
+        counts[a * vocab + b] += 1
+    return counts

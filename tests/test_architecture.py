@@ -49,6 +49,11 @@ def layer(name: str) -> int | None:
     return max((i for i, top in enumerate(LAYERS) if name == top or name.startswith(top + ".")), default=None)
 
 
+EXTENDS = {"dspark": "dflash"}
+"""A drafter that is another drafter plus heads (as vLLM's ``qwen3_dspark.py`` extends ``qwen3_dflash.py``) may
+import that one's folder, by subclassing, never the reverse or any other folder."""
+
+
 def drafter_of(name: str) -> str | None:
     parts = name.split(".")
     return parts[2] if len(parts) > 2 and parts[:2] == ["draftheads", "drafters"] else None
@@ -64,7 +69,8 @@ def forbidden(edges: list[tuple[str, str]]) -> list[str]:
             bad.append(f"{src} imports {dst}: an entry script imports another")
         elif layer(dst) is not None and layer(src) is not None and layer(dst) > layer(src):
             bad.append(f"{src} imports {dst}: {LAYERS[layer(dst)]} is above {LAYERS[layer(src)]}")
-        elif drafter_of(src) and drafter_of(dst) and drafter_of(src) != drafter_of(dst):
+        elif drafter_of(src) and drafter_of(dst) and drafter_of(dst) not in (drafter_of(src),
+                                                                          EXTENDS.get(drafter_of(src))):
             bad.append(f"{src} imports {dst}: one drafter's folder imports another's")
     return bad
 
@@ -85,6 +91,8 @@ def test_imports_point_down_and_doors_are_thin():
     (("draftheads.models.target", "draftheads.data.sources"), "is above"),
     (("draftheads.training.job", "draftheads.drafters.medusa.recipe"), "is above"),
     (("draftheads.drafters.dflash.recipe", "draftheads.drafters.medusa.heads"), "another's"),
+    (("draftheads.drafters.dflash.model", "draftheads.drafters.dspark.model"), "another's"),
+    (("draftheads.drafters.dspark.model", "draftheads.drafters.eagle3.model"), "another's"),
     (("draftheads.jobs.train", "train.medusa"), "outside the draftheads namespace"),
     (("train.export", "train.evaluate"), "an entry script imports another"),
     (("draftheads.data.pipeline", "models.target"), "outside the draftheads namespace"),

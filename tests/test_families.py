@@ -33,11 +33,13 @@ from tests.helpers import greedy_lossless, smoke
 TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
             "mistral": "</s>", "phi3": "<|end|>"}
 """The token each family's chat template closes an assistant turn with (not always the tokenizer's eos)."""
-OWN_OVERRIDES = {("mistral", "dflash"): ["dflash.mask_token_id=0"]}
-"""Mistral v0.1's tokenizer has no spare special token for DFlash's mask: <unk> (id 0), which it never generates."""
+OWN_OVERRIDES = {("mistral", "dflash"): ["dflash.mask_token_id=0"], ("mistral", "dspark"): ["dspark.mask_token_id=0"]}
+"""Mistral v0.1's tokenizer has no spare special token for DFlash's (and DSpark's) mask: <unk> (id 0), which it
+never generates."""
 DRAFTER_OWN = {"medusa": ["stage1.epochs=2", "stage2.epochs=1", "stage2.unfreeze_last_n_layers=1"],
                "dflash": ["train.epochs=2", "eval.peer_runs=[]"],
-               "eagle3": ["train.epochs=2", "eval.peer_runs=[]", "eagle3.ttt_steps=3", "eagle3.gamma=3"]}
+               "eagle3": ["train.epochs=2", "eval.peer_runs=[]", "eagle3.ttt_steps=3", "eagle3.gamma=3"],
+               "dspark": ["train.epochs=2", "eval.peer_runs=[]"]}
 """Each registered drafter's own overrides of the smoke job, for a few steps on every family."""
 JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_tokens=24",
        "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}, {name: humaneval, source: humaneval, "

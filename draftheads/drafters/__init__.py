@@ -21,6 +21,7 @@ DRAFTERS = {
     "medusa": "draftheads.drafters.medusa.recipe:MEDUSA",
     "dflash": "draftheads.drafters.dflash.recipe:DFLASH",
     "eagle3": "draftheads.drafters.eagle3.recipe:EAGLE3",
+    "dspark": "draftheads.drafters.dspark.recipe:DSPARK",
 }
 """Drafter name -> ``module:object`` of its recipe (imported on first use)."""
 

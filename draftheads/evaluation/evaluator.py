@@ -11,7 +11,9 @@ Definitions (as in the Medusa/EAGLE papers and vLLM/SGLang metrics):
 - ``cumulative_acceptance_per_position[i]``: P(drafts 0..i all accepted), unconditional (vLLM's per-position
   acceptance: accepted at position i / drafts);
 - ``speedup``: speculative tokens/s over plain decoding's tokens/s, same prompts, same process, interleaved,
-  every method warmed up first; tokens/s include the prefill, ``decode_ms_per_token`` leaves it out.
+  every method warmed up first; tokens/s include the prefill, ``decode_ms_per_token`` leaves it out;
+- ``by_context_length``: tau and acceptance per position over the steps in each context-length bucket
+  (:mod:`draftheads.evaluation.context`).
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from draftheads.data.conversations import first_user_prompts
+from draftheads.data.conversations import first_user_prompts, long_prompts, prompt_pieces
 from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.templates import stop_token_ids
+from draftheads.evaluation.context import (CONTEXT_BUCKETS, acceptance_rates, bucket_label, by_context_length,
+                                           format_context_table, plot_by_context)
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
@@ -38,15 +42,24 @@ NOTES = ("acceptance_length (tau) = 1 + drafts accepted per verification step, c
 """:data:`NOTES` go into every report beside the numbers they define."""
 
 
-def eval_prompts(set_cfg) -> list:
-    """Held-out prompts of one eval set (chitchat's eval split never overlaps training)."""
-    return first_user_prompts(set_cfg, "eval", set_cfg.num_prompts)
+def eval_prompts(set_cfg, tokenizer=None) -> list:
+    """Held-out prompts of one eval set (chitchat's eval split never overlaps training); with
+    ``min_prompt_tokens``, long ones joined from the source's pieces until ``tokenizer`` counts that many tokens
+    in the prompt the target reads. Raises ``ValueError`` for such a set without a tokenizer."""
+    if not set_cfg.min_prompt_tokens:
+        return first_user_prompts(set_cfg, "eval", set_cfg.num_prompts)
+    if tokenizer is None:
+        raise ValueError(f"eval set {set_cfg.name!r}: min_prompt_tokens counts the target's tokens, and no tokenizer "
+                         f"was given")
+    return long_prompts(prompt_pieces(set_cfg, "eval"), set_cfg.num_prompts, set_cfg.min_prompt_tokens,
+                        lambda p: len(prompt_ids(tokenizer, prompt_messages(tokenizer, p))))
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
                  tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0,
                  peers: dict[str, Callable[[torch.Tensor], DecodeResult]] | None = None, desc: str = "eval",
-                 defaults: GenerationDefaults = GenerationDefaults.ignore) -> dict:
+                 defaults: GenerationDefaults = GenerationDefaults.ignore,
+                 context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
     """Decode every prompt with the baseline, the chain drafter and each peer; return the set's metrics.
 
     Args:
@@ -54,6 +67,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
             DecodeResult`` (tree verification, prompt lookup...); reported under ``peers``.
         defaults: whether ``sampling`` came from the target's ``generation_config`` (recorded under
             ``decoding`` beside those defaults and the stop set).
+        context_buckets: edges of the ``by_context_length`` buckets (``eval.context_buckets``).
     With sampling, every method draws from seeded generators; ``greedy_match`` then only says how often two
     independent samples coincide and is reported as None.
     """
@@ -75,9 +89,10 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
             others[name].append(decode(ids, generator))
         if sampling.greedy and plain[-1].tokens != spec[-1].tokens:
             mismatches.append(_mismatch(p, plain[-1], spec[-1], tie_tolerance))
-    metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches)
+    metrics = summarize(plain, spec, drafter.gamma, max_new_tokens, mismatches, context_buckets)
     if peers:
-        metrics["peers"] = {name: _peer_summary(plain, results, prompts, tie_tolerance, sampling.greedy)
+        metrics["peers"] = {name: _peer_summary(plain, results, prompts, tie_tolerance, sampling.greedy,
+                                                context_buckets)
                             for name, results in others.items()}
     if not sampling.greedy:  # two samples need not coincide: no match to claim
         for m in [metrics, *metrics.get("peers", {}).values()]:
@@ -90,27 +105,21 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     return metrics
 
 
-def _acceptance_rates(results: list[DecodeResult], gamma: int) -> tuple[list[float], list[float]]:
-    """Conditional and cumulative acceptance per draft position, from accepted drafts per step."""
-    accepted = torch.tensor([n for r in results for n in r.accepted_per_step])
-    steps = max(len(accepted), 1)
-    attempted = [(accepted >= i).sum().item() for i in range(gamma)]
-    passed = [(accepted >= i + 1).sum().item() for i in range(gamma)]
-    return [p / a if a else 0.0 for p, a in zip(passed, attempted)], [p / steps for p in passed]
-
-
-def acceptance(results: list[DecodeResult], gamma: int) -> dict:
+def acceptance(results: list[DecodeResult], gamma: int, context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
     """tau, tokens per step and per-position acceptance of a method that reports its verification steps (see
-    the module's definitions); a method that does not (transformers' prompt lookup) gets tokens per target
-    forward for both, every forward of its ``generate`` verifying drafts, the prefill's included."""
+    the module's definitions), and the same per context-length bucket (``by_context_length``: the buckets of
+    ``context_buckets`` that hold steps); a method that does not (transformers' prompt lookup) gets tokens per
+    target forward for both, every forward of its ``generate`` verifying drafts, the prefill's included."""
     if not any(r.accepted_per_step for r in results):
         per_forward = sum(len(r.tokens) for r in results) / max(sum(r.target_forwards for r in results), 1)
         return {"acceptance_length": per_forward, "tokens_per_step": per_forward}
     accepted = [n for r in results for n in r.accepted_per_step]
-    alpha, cumulative = _acceptance_rates(results, gamma)
-    return {"acceptance_length": 1 + sum(accepted) / len(accepted),
-            "tokens_per_step": sum(n for r in results for n in r.emitted_per_step) / len(accepted),
-            "acceptance_rate_per_position": alpha, "cumulative_acceptance_per_position": cumulative}
+    alpha, cumulative = acceptance_rates(accepted, gamma)
+    out = {"acceptance_length": 1 + sum(accepted) / len(accepted),
+           "tokens_per_step": sum(n for r in results for n in r.emitted_per_step) / len(accepted),
+           "acceptance_rate_per_position": alpha, "cumulative_acceptance_per_position": cumulative}
+    buckets = by_context_length(results, gamma, context_buckets)
+    return out if buckets is None else {**out, "by_context_length": buckets}
 
 
 def _tokens_per_second(results: list[DecodeResult]) -> float:
@@ -126,7 +135,7 @@ def _decode_ms_per_token(results: list[DecodeResult]) -> float | None:
 
 
 def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], prompts: list, tie_tolerance: float,
-                  greedy: bool) -> dict:
+                  greedy: bool, context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
     """A peer's acceptance (over its own gamma), tokens/s and speedup over the same baseline, decode time per
     token, greedy agreement (with the plain decoding of the target that verifies it: ``DecodeResult.reference``)
     and, greedy, where it first differs and whether that was a tie (:func:`_mismatch`; a reference's logits are
@@ -135,7 +144,7 @@ def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], prompts: 
     mismatches = [_mismatch(p, a, b, tie_tolerance) for p, a, b in zip(prompts, own, peer)
                   if greedy and a.tokens != b.tokens]
     tps = _tokens_per_second(peer)
-    summary = {**acceptance(peer, max(r.gamma for r in peer)),
+    summary = {**acceptance(peer, max(r.gamma for r in peer), context_buckets),
                "tokens_per_second": tps, "speedup": tps / _tokens_per_second(plain),
                "decode_ms_per_token": _decode_ms_per_token(peer),
                "target_forwards_per_token": sum(r.target_forwards for r in peer) / sum(len(r.tokens) for r in peer),
@@ -166,11 +175,11 @@ def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: fl
 
 
 def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, max_new_tokens: int,
-              mismatches: list[dict]) -> dict:
+              mismatches: list[dict], context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
     """Aggregate per-prompt results into the set's report entry."""
     spec_tokens = sum(len(r.tokens) for r in spec)
     return {
-        **acceptance(spec, gamma),
+        **acceptance(spec, gamma, context_buckets),
         "tokens_per_second": {"speculative": _tokens_per_second(spec), "baseline": _tokens_per_second(plain)},
         "speedup": _tokens_per_second(spec) / _tokens_per_second(plain),
         "decode_ms_per_token": {"speculative": _decode_ms_per_token(spec), "baseline": _decode_ms_per_token(plain)},
@@ -209,7 +218,14 @@ def format_table(sets: dict) -> str:
             match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
             lines.append(f"{name:<16}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>30}{tps:>8.1f}"
                          f"{m['tokens_per_second']['baseline']:>10.1f}{r['speedup']:>9.2f}{match:>14}")
-    return "\n".join(lines)
+    by_context = format_context_table(_context_rows(sets))
+    return "\n".join(lines) + (f"\n\n{by_context}" if by_context else "")
+
+
+def _context_rows(sets: dict) -> list[tuple[str, str, list[dict]]]:
+    """``(set, method, by_context_length)`` of every method that has it (reports from before it had none)."""
+    return [(name, method, r["by_context_length"]) for name, m in sets.items()
+            for method, r in _methods(m).items() if r.get("by_context_length")]
 
 
 def _alphas(rates: list[float], shown: int = 5) -> str:
@@ -230,12 +246,17 @@ def _method(m: dict) -> str:
 
 def plot_acceptance(sets: dict, path: str | Path) -> None:
     """PNG with three panels: conditional acceptance per draft position (chain and tree, per set),
-    histogram of accepted drafts per verification step (chain), and tau per set and method."""
+    histogram of accepted drafts per verification step (chain), and tau per set and method; and a fourth, tau
+    per context-length bucket per set and method, when the report has ``by_context_length``."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (pos, hist, bars) = plt.subplots(1, 3, figsize=(14, 3.6), dpi=110)
+    contexts = _context_rows(sets)
+    fig, axes = plt.subplots(1, 4 if contexts else 3, figsize=(19 if contexts else 14, 3.6), dpi=110)
+    pos, hist, bars = axes[:3]
+    if contexts:
+        plot_by_context(axes[3], contexts)
     for name, m in sets.items():
         for method, r in _methods(m).items():
             rates = r.get("acceptance_rate_per_position")
@@ -256,7 +277,7 @@ def plot_acceptance(sets: dict, path: str | Path) -> None:
         bars.bar([i + 0.8 * j / len(methods) for i in range(len(sets))], taus, width=0.8 / len(methods), label=method)
     bars.set(xticks=[i + 0.4 * (len(methods) - 1) / len(methods) for i in range(len(sets))], xticklabels=list(sets),
              ylabel="tau (tokens per target forward)")
-    for ax in (pos, hist, bars):
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -308,4 +329,6 @@ def flat_metrics(sets: dict) -> dict[str, float]:
                 out[f"{key}/greedy_match"] = r["greedy_match"]
             for i, a in enumerate(r.get("acceptance_rate_per_position", [])):
                 out[f"{key}/alpha_pos{i + 1}"] = a
+            for b in r.get("by_context_length") or []:
+                out[f"{key}/tau_context_{bucket_label(b)}"] = b["acceptance_length"]
     return out

@@ -11,15 +11,17 @@ from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.speculative import Sampling, prompt_lookup_decode
 
 
-def load_eval_sets(eval_cfg) -> dict[str, list]:
-    """Each eval set's held-out prompts. Raises ``ValueError`` for no set (evaluation enabled), an empty set or
-    ``max_new_tokens`` < 1, and the source's own error (file, line, field) for a malformed file."""
+def load_eval_sets(eval_cfg, tokenizer=None) -> dict[str, list]:
+    """Each eval set's held-out prompts; a set with ``min_prompt_tokens`` counts them with the target's
+    ``tokenizer`` (:func:`~draftheads.evaluation.evaluator.eval_prompts`). Raises ``ValueError`` for no set
+    (evaluation enabled), an empty set, ``max_new_tokens`` < 1 or a long set without a tokenizer, and the
+    source's own error (file, line, field) for a malformed file."""
     if eval_cfg.max_new_tokens < 1:
         raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
     if eval_cfg.enabled and not eval_cfg.sets:
         raise ValueError("eval.sets=[]: no eval set to measure; name one (eval.sets=[{name: chitchat, source: "
                          "chitchat, num_prompts: 16}]) or set eval.enabled=false")
-    sets = {s.name: eval_prompts(s) for s in eval_cfg.sets} if eval_cfg.enabled else {}
+    sets = {s.name: eval_prompts(s, tokenizer) for s in eval_cfg.sets} if eval_cfg.enabled else {}
     for name, prompts in sets.items():
         if not prompts:
             raise ValueError(f"eval set {name!r} has no prompts (num_prompts >= 1 and a non-empty source needed)")
@@ -48,7 +50,7 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
             key = name if sampling.greedy else f"{name}@T{sampling.temperature:g}"
             results[key] = evaluate_set(target, tokenizer, drafter, prompts, eval_cfg.max_new_tokens,
                                         eval_cfg.tie_tolerance, sampling, eval_cfg.seed, peers, desc=f"eval {key}",
-                                        defaults=defaults)
+                                        defaults=defaults, context_buckets=tuple(eval_cfg.context_buckets))
     return results
 
 

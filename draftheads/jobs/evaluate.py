@@ -12,10 +12,9 @@ from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
-from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run
+from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run, vllm_serving
 from draftheads.training.job import TARGET_FILE
 
 
@@ -45,8 +44,8 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     else:
         record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
         peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
-        sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer, load_eval_sets(conf.eval),
-                                peers)
+        sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
+                                load_eval_sets(conf.eval, run.tokenizer), peers)
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():
         m["drafter"] = source
@@ -66,15 +65,16 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
 
 def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
     """Every eval set measured in vLLM with the run's export (greedy; see :func:`evaluate_in_vllm`), with the
-    run's ``vllm.*`` parallelism."""
-    python = ensure_vllm(vllm_venv)
+    run's ``vllm.*`` parallelism; a vLLM without the drafter's method is refused first
+    (:func:`~draftheads.jobs.runs.vllm_serving`)."""
     spec = run.recipe.vllm_config(run.folder, conf, run.trained)
+    python = vllm_serving(run.recipe, spec["method"], vllm_venv)  # a vLLM without the method: refused here
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
     tokenizer = run.tokenizer
     return {name: evaluate_in_vllm(python, run.target_path, spec,
                                    [prompt_ids(tokenizer, prompt_messages(tokenizer, p)) for p in prompts],
                                    conf.eval.max_new_tokens, stop, {"dtype": conf.model.dtype, **conf.vllm.engine()})
-            for name, prompts in load_eval_sets(conf.eval).items()}
+            for name, prompts in load_eval_sets(conf.eval, tokenizer).items()}
 
 
 def cli(argv: list[str], usage: str = __doc__) -> dict:

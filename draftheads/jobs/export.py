@@ -9,12 +9,16 @@ from draftheads.jobs.runs import open_run
 
 
 def export_run(run_dir: Path, overrides: list[str] = ()) -> dict[str, str]:
-    """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter; returns
-    ``{format: folder}`` (empty for a drafter whose saved model is its export, like DFlash's). Raises what
+    """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter, and each one's
+    ``serving.json`` (:meth:`~draftheads.training.recipe.Recipe.write_serving`); returns ``{format: folder}``
+    (empty for a drafter whose saved model is its export, like DFlash's). Raises what
     :func:`~draftheads.jobs.runs.open_run` raises: ``FileNotFoundError`` for a run that has not finished its save
     (``resume=true`` finishes it), ``ValueError`` for overrides choosing another target than its drafter's."""
     run = open_run(run_dir, overrides)
-    return run.recipe.export(Path(run_dir), run.target, run.trained)
+    paths = run.recipe.export(Path(run_dir), run.target, run.trained)
+    for path in run.recipe.write_serving(Path(run_dir), run.conf, run.trained):
+        print(f"serving: {path}", flush=True)
+    return paths
 
 
 def cli(argv: list[str], usage: str = __doc__) -> dict[str, str]:

@@ -11,9 +11,9 @@ from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
-from draftheads.evaluation.vllm_env import VLLM, ensure_vllm
+from draftheads.evaluation.vllm_env import VLLM
 from draftheads.jobs.cli import parse_args
-from draftheads.jobs.runs import open_run
+from draftheads.jobs.runs import open_run, vllm_serving
 
 
 def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = None, serve: bool = False) -> list[dict]:
@@ -21,14 +21,15 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     the strict loader) on both sides: our chain evaluator and vLLM's CPU build (offline ``LLM`` API; with
     ``serve`` also its OpenAI server). Prints the table, writes ``<run>/vllm_parity.json``; raises
     ``SystemExit(1)`` without parity. The vLLM environment is made on first use
-    (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``)."""
+    (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``); one whose vLLM lacks the drafter's method is refused
+    before any engine starts (``ValueError``, :func:`~draftheads.jobs.runs.vllm_serving`)."""
     run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)  # refused before vLLM is set up
-    python = ensure_vllm(vllm_venv)
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = run.recipe.chain(run.conf, run.trained, run.target)
     spec = run.recipe.vllm_config(run.folder, run.conf, run.trained)
+    python = vllm_serving(run.recipe, spec["method"], vllm_venv)  # a vLLM without the method: refused here
     rows = []
-    for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True)).items():
+    for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True), tokenizer).items():
         chats = [prompt_messages(tokenizer, p) for p in prompts]
         ids = [prompt_ids(tokenizer, chat) for chat in chats]
         ours = our_side(run.target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)

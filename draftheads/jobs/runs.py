@@ -14,6 +14,8 @@ from omegaconf import OmegaConf
 from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
+from draftheads.evaluation.serving import check_vllm_serves
+from draftheads.evaluation.vllm_env import ensure_vllm, probe_vllm
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import Dtype, TargetSpec, load_target, model_identity, resolve_target_path
 from draftheads.training.config import apply_generation_defaults
@@ -207,3 +209,22 @@ def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, 
         return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
 
     return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at, conf.model.generation_defaults)
+
+
+def vllm_serving(recipe: Recipe, method: str, vllm_venv: str | None = None) -> Path:
+    """The python of the vLLM environment (``vllm_venv``, made on first use by
+    :func:`~draftheads.evaluation.vllm_env.ensure_vllm`) once its vLLM is known to serve ``method``, ``recipe``'s
+    speculative method: its version and methods are read from its source (no engine started). Raises
+    ``ValueError`` for a vLLM without the method, naming the last vLLM that serves it (``recipe``'s serving row
+    for ``recipe.vllm_weights``) and the registered drafters this one serves
+    (:func:`~draftheads.evaluation.serving.check_vllm_serves`)."""
+    python = ensure_vllm(vllm_venv)
+    rows = {}
+    for name in drafters.DRAFTERS:
+        try:
+            rows[name] = drafters.get(name).served(drafters.get(name).vllm_weights)
+        except KeyError:  # a drafter that declares no row is named by none
+            pass
+    check_vllm_serves(method, probe_vllm(python), rows.get(recipe.name), {n: r.method for n, r in rows.items()},
+                      str(python))
+    return python

@@ -68,7 +68,8 @@ def _report(out: Path) -> dict:
 
 
 def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict) -> dict:
-    """Validate, save, export, write ``report.json``, then evaluate and write it again; returns the report.
+    """Validate, save, export (each export with its ``serving.json``: :meth:`Recipe.write_serving`), write
+    ``report.json``, then evaluate and write it again; returns the report.
     ``report["finished"]`` lists the steps done, so a report left by a failed evaluation says so. Metrics are
     logged at ``trained.step``, the last training step on the tracker's axis."""
     conf, out = job.conf, job.out
@@ -85,6 +86,8 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
     if conf.export:
         report["exports"] = {**report.get("exports", {}), **recipe.export(out, job.target, trained)}
         report["finished"].append("export")
+    for path in recipe.write_serving(out, conf, trained):  # beside every export, who serves it (docs/serving.md)
+        print(f"serving: {path}", flush=True)
     print(f"report: {write_report(report, out)}", flush=True)
     if conf.eval.enabled:  # peers after the save: this run's target is then the one it is served with
         host = resolve_target_path(recipe.target_of(out, conf), conf.cache_dir)

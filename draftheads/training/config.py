@@ -17,9 +17,11 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from draftheads.choice import Choice
 from draftheads.data.regenerate import GenerationSettings, Reasoning
 from draftheads.data.sources import PromptSource, Source
+from draftheads.data.state_cache import StatesDtype
+from draftheads.evaluation.context import CONTEXT_BUCKETS
 from draftheads.models.decoding import GenerationDefaults, target_sampling
 from draftheads.models.speculative import Proposal, Sampling
-from draftheads.models.target import Dtype, TargetSpec
+from draftheads.models.target import TargetSpec
 
 
 class Format(Choice):
@@ -150,8 +152,11 @@ class DataConfig(PromptSource):
     or disk (the state cache at ``target_states_dir``); see :class:`TargetStates`."""
     target_states_dir: str | None = None
     """The state cache folder (safetensors shards + manifest); default ``<output_dir>/hidden_states``."""
-    target_states_dtype: Dtype = Dtype.bfloat16
-    """Dtype of the state cache on disk: bfloat16, float16 or float32 (read back in the target's dtype)."""
+    target_states_dtype: StatesDtype = StatesDtype.bfloat16
+    """Dtype of the state cache on disk: bfloat16, float16, float32, or float8_e4m3fn (fp8 with a float32 scale
+    per row and position, about half of bf16's bytes; :class:`~draftheads.data.state_cache.StatesDtype`); read
+    back in the target's dtype, fp8 dequantised. Read by the cache only: states kept in memory
+    (``target_states=memory``) stay in the target's dtype."""
     target_batch_size: int = 16
     """Rows per target forward outside training: the states computed at the start of a run or into the state
     cache, and the held-out validation."""
@@ -184,6 +189,16 @@ class EvalSetConfig(PromptSource):
     name: str = MISSING
     source: Source = MISSING
     num_prompts: int = 12
+    min_prompt_tokens: int = 0
+    """0: the source's prompts as they are. > 0: long prompts, for tau by context length: each joins consecutive
+    pieces of the source (chitchat: its conversations' messages, in order; other sources: their prompts),
+    separated by a blank line, until the prompt the target reads (chat template applied) holds at least this
+    many of its tokens (``{name: long_chitchat, source: chitchat, min_prompt_tokens: 2048}``;
+    :func:`~draftheads.data.conversations.long_prompts`). Keep it under the target's context length."""
+
+    def __post_init__(self):
+        if self.min_prompt_tokens < 0:
+            raise ValueError(f"eval set {self.name!r}: min_prompt_tokens={self.min_prompt_tokens} must be >= 0")
 
 
 @dataclass
@@ -221,6 +236,11 @@ class EvalConfig:
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
     at every temperature; 0 skips it."""
+    context_buckets: list[int] = field(default_factory=lambda: list(CONTEXT_BUCKETS))
+    """Edges, in tokens, of the context-length buckets that ``by_context_length`` reports tau and acceptance per
+    position in (a verification step's context: the prompt plus the tokens generated before it): bucket i holds
+    steps at ``[edge i, edge i+1)``, the last every longer one. Starts at 0, strictly increasing. Long prompts
+    to fill the upper buckets: an eval set's ``min_prompt_tokens``."""
 
     def samplings(self) -> list[Sampling]:
         """One :class:`~draftheads.models.speculative.Sampling` per temperature. Raises ``ValueError`` for a
@@ -229,6 +249,10 @@ class EvalConfig:
 
     def __post_init__(self):
         self.samplings()  # invalid sampling settings fail when the config is made, not after training
+        edges = list(self.context_buckets)
+        if not edges or edges[0] != 0 or any(b <= a for a, b in zip(edges, edges[1:])):
+            raise ValueError(f"eval.context_buckets={edges}: edges in tokens, starting at 0, strictly increasing "
+                             f"(e.g. {list(CONTEXT_BUCKETS)})")
 
 
 @dataclass

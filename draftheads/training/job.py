@@ -56,10 +56,10 @@ def target_record(target, identity: dict) -> dict:
 
 
 def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
-    """Typed config, accelerator and tracker, eval sets (a bad file fails now, not after training), the target
-    on this process's device, ``recipe.check`` (settings that would fail later), the resume point, and
-    ``config.yaml`` and ``target.json`` in the run directory. ``recipe`` None opens a job that trains nothing
-    (a state cache build).
+    """Typed config, accelerator and tracker, the target on this process's device, eval sets (read with its
+    tokenizer, which long sets count with: a bad file fails now, not after training), ``recipe.check`` (settings
+    that would fail later), the resume point, and ``config.yaml`` and ``target.json`` in the run directory.
+    ``recipe`` None opens a job that trains nothing (a state cache build).
 
     Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, what
     ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint of another target or of a stage not
@@ -79,9 +79,9 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         claim_job_dir(conf, recipe, delete=True)
     accelerator.wait_for_everyone()
     start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's tracker files are gone
-    eval_sets = load_eval_sets(conf.eval)
     with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
         target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
+    eval_sets = load_eval_sets(conf.eval, tokenizer)  # long sets count the target's tokens
     place(target, accelerator.device)
     set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
     identity = model_identity(target, conf.model)
@@ -152,8 +152,8 @@ def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None
     """Every job's claim on its output_dir. A folder holding a training run (:func:`run_marks`) is refused:
     ``FileExistsError`` naming the choices (``resume=true`` for a ``resumable`` job, ``overwrite=true``, another
     output_dir), before any work. With ``overwrite`` and ``delete`` (the main process, once) the old run's files
-    (:data:`RUN_ENTRIES`, and ``saved``: what the job's drafter saves there) are deleted but the state cache at ``keep`` (the one this job reads or writes), so
-    nothing of the old run is left beside this one's. A folder holding a run and files no run writes
+    (:data:`RUN_ENTRIES`, and ``saved``: what the job's drafter saves there) are deleted but the state cache at
+    ``keep`` (the one this job reads or writes), so nothing of the old run is left beside this one's. A folder holding a run and files no run writes
     (output_dir=. or $HOME by mistake) is refused with ``FileExistsError`` naming them, nothing in it deleted.
     A folder holding no run (a state cache build, a run that failed before training) is taken as it is."""
     marks = run_marks(out)

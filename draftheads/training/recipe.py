@@ -15,6 +15,7 @@ from typing import Callable
 
 from torch import nn
 
+from draftheads.evaluation.serving import Served, serving_record, served_target, write_serving
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.training.config import TargetStates
@@ -56,6 +57,11 @@ class Recipe:
     """The export folder (relative to the run) that vLLM loads, read back for parity."""
     saved_entries: tuple[str, ...] = ()
     """What its save writes in the run's folder beside ``export/`` (an overwriting run deletes them too)."""
+    serving: tuple[Served, ...] = ()
+    """Its rows of the serving matrix (``docs/serving.md``), declared in its folder's ``serving.py``: for each
+    export folder it writes (and each variant of one), which server loads it, with the line of that server's
+    source that says so (:class:`~draftheads.evaluation.serving.Served`). :meth:`write_serving` writes them
+    beside the run's exports; the vLLM jobs refuse a vLLM without its method from them."""
 
     def check(self, conf, target) -> None:
         """Refuse settings that would fail later, before the data is built (``ValueError``). Default: the
@@ -130,6 +136,39 @@ class Recipe:
         ``num_speculative_tokens`` the :meth:`draft_length`."""
         return {"method": self.name, "model": str((Path(run_dir) / self.vllm_weights).resolve()),
                 "num_speculative_tokens": self.draft_length(conf, trained)}
+
+    def serving_variant(self, conf, trained: Trained) -> str:
+        """Which variant of its :attr:`serving` rows ``trained``'s exports are: "" (default) the plain rows."""
+        return ""
+
+    def served(self, export: str, variant: str = "") -> Served:
+        """Its :attr:`serving` row for the folder ``export`` (relative to the run) and ``variant``, else the plain
+        row. ``KeyError`` naming the folder when it declares none (a row inherited for another folder does not
+        count)."""
+        rows = {(row.export, row.variant): row for row in self.serving}
+        row = rows.get((export, variant)) or rows.get((export, ""))
+        if row is None:
+            raise KeyError(f"drafter {self.name!r} declares no serving row for {export} (its recipe's `serving`, "
+                           f"draftheads/drafters/{self.name}/serving.py; docs/serving.md)")
+        return row
+
+    def write_serving(self, run_dir: Path, conf, trained: Trained) -> list[Path]:
+        """``serving.json`` beside each export folder of the run that it declares a row for (the folder holding
+        its ``config.json``): per server the versions read, whether it loads it with the source line, and the
+        serve command with the run's paths, relative to the run's folder (no export names a path of the machine
+        that made it; :func:`~draftheads.evaluation.serving.serving_record`). The target is the one
+        :meth:`target_of` serves the drafter with. Returns the files written."""
+        run = Path(run_dir)
+        target = served_target(run, self.target_of(run, conf).name_or_path)
+        variant, n = self.serving_variant(conf, trained), self.draft_length(conf, trained)
+        written, exports = [], dict.fromkeys(row.export for row in self.serving)
+        for export in exports:
+            if (run / export / "config.json").is_file():
+                written.append(write_serving(run / export, serving_record(self.served(export, variant), target, n)))
+        if self.vllm_weights not in exports and (run / self.vllm_weights / "config.json").is_file():
+            print(f"{run / self.vllm_weights}: no serving.json: {self.name} declares no serving row for it",
+                  flush=True)
+        return written
 
 
 class FeatureRecipe(Recipe):

@@ -39,9 +39,11 @@ SETTINGS = {
     "muon": ["trainer.optimizer=muon"],
     "noise": ["{d}.feature_noise=0.05"],
     "eagle31": ["eagle3.norm_before_fc=true", "eagle3.norm_output=true"],
+    "mixture": ["data.mixture=[{source: chitchat, weight: 3}, {source: humaneval, weight: 1}]"],
 }
 """Named settings (``{d}``: the drafter's config section; ``eagle31``, speculators' EAGLE-3.1 default, is
-EAGLE-3's only); ``ce`` is today's default of every drafter."""
+EAGLE-3's only; ``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat alone);
+``ce`` is today's default of every drafter."""
 
 BUDGET = {
     "medusa": ["stage1.epochs=1", "stage2.enabled=false"],

@@ -12,12 +12,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftheads.data.hidden_states import attach_hidden_states
-from draftheads.data.state_cache import (CacheSpec, cache_spec, forward_states, read_cache, write_cache,
-                                         write_manifest)
+from draftheads.data.state_cache import (CacheSpec, cache_spec, estimated_bytes, footprint, forward_states,
+                                         read_cache, source_dtype, write_cache, write_manifest)
 from draftheads.drafters import DRAFTERS
 from draftheads.jobs.cache import cache_states
 from draftheads.jobs.train import train
-from draftheads.models.target import record_layer_outputs, torch_dtype
+from draftheads.models.target import record_layer_outputs
 from tests.helpers import ROOT, SMOKE_STAGES, VLLM_TINY, VLLM_VENV, run_dflash, run_eagle3, run_medusa, smoke
 
 
@@ -34,7 +34,7 @@ LENGTHS = [5, 17, 9, 30, 2, 12, 9]
 def build(tiny, folder, rows, layer_ids=None, dtype="float32", shard_rows=3):
     model, tokenizer = tiny
     spec = cache_spec(model, {"name_or_path": "tiny"}, tokenizer, rows, layer_ids, 64, dtype)
-    states = forward_states(model, layer_ids, 2, tokenizer.pad_token_id, torch_dtype(dtype))
+    states = forward_states(model, layer_ids, 2, tokenizer.pad_token_id, source_dtype(dtype, model.dtype))
     written = write_cache(states, rows, folder, spec, shard_rows, show_progress=False)
     write_manifest(folder, spec, len(rows), shard_rows)
     return spec, written
@@ -57,18 +57,63 @@ def test_cached_states_equal_the_states_computed_in_memory(tiny, tmp_path, layer
         torch.testing.assert_close(c[key], r[key], atol=atol, rtol=0)
 
 
-def test_a_resumed_cache_build_rewrites_only_missing_and_corrupt_shards(tiny, tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "float8_e4m3fn"])
+def test_a_resumed_cache_build_rewrites_only_missing_and_corrupt_shards(tiny, tmp_path, dtype):
     rows = rows_of(LENGTHS, tiny[0].config.vocab_size)
-    spec, _ = build(tiny, tmp_path, rows)
+    spec, _ = build(tiny, tmp_path, rows, dtype=dtype)
     reference = {k: {n: t.clone() for n, t in load_file(str(tmp_path / f"shard-0000{k}.safetensors")).items()}
                  for k in range(3)}  # cloned: load_file maps the file, which is overwritten below
     (tmp_path / "shard-00001.safetensors.json").unlink()  # killed before its record was written
     (tmp_path / "shard-00002.safetensors").write_bytes(b"truncated")  # a torn file
-    _, written = build(tiny, tmp_path, rows)
+    _, written = build(tiny, tmp_path, rows, dtype=dtype)
     assert written == [1, 2]
     for k in range(3):
         got = load_file(str(tmp_path / f"shard-0000{k}.safetensors"))
-        assert got.keys() == reference[k].keys() and all(torch.equal(got[n], reference[k][n]) for n in got)
+        assert got.keys() == reference[k].keys()
+        assert all(torch.equal(got[n].float(), reference[k][n].float()) for n in got)  # fp8 has no torch.equal
+    read_cache(tmp_path, spec, [dict(r) for r in rows])
+
+
+def test_an_fp8_cache_keeps_each_position_within_fp8_resolution_at_about_half_of_bf16s_bytes(tiny, tmp_path):
+    """float8_e4m3fn with a float32 scale per row and position: every position's states come back within 2^-4
+    (fp8's 3-bit mantissa) of the float32 ones, relative to that position's norm, whatever its magnitude; the
+    shards hold the width's bytes plus 4 per token (bf16: twice the width)."""
+    model, tokenizer = tiny
+    rows = rows_of([40, 200, 90, 130, 7, 64], model.config.vocab_size)
+    for layer_ids in (None, [0, 2]):
+        reference = forward_states(model, layer_ids, 4, tokenizer.pad_token_id, torch.float32)(rows)
+        reference[1] = reference[1] * torch.logspace(-4, 4, len(reference[1]))[:, None]  # positions 1e8 apart
+        states = lambda batch, ref=reference: [ref[r["row"]] for r in batch]  # noqa: E731
+        sizes = {}
+        for dtype in ("float8_e4m3fn", "bfloat16"):
+            folder = tmp_path / f"{dtype}-{layer_ids}"
+            spec = cache_spec(model, {}, tokenizer, rows, layer_ids, 256, dtype)
+            write_cache(states, rows, folder, spec, 4, show_progress=False)
+            write_manifest(folder, spec, len(rows), 4)
+            cached = [dict(r) for r in rows]
+            read_cache(folder, spec, cached, dtype=torch.float32)
+            key = "hidden_states" if layer_ids is None else "target_features"
+            for c, x in zip(cached, reference):
+                assert c[key].dtype == torch.float32 and c[key].shape == x.shape
+                error = (c[key] - x).norm(dim=-1) / x.norm(dim=-1)
+                assert error.max() <= (2 ** -4 if dtype == "float8_e4m3fn" else 2 ** -8), (dtype, error.max())
+            width = reference[0].shape[-1]
+            tensors = [load_file(str(folder / f"shard-0000{k}.safetensors")) for k in range(2)]
+            payload = sum(t.nbytes for shard in tensors for t in shard.values())
+            assert payload == estimated_bytes(rows, width, dtype)
+            sizes[dtype] = footprint(folder, rows, width, torch.bfloat16)
+            assert sizes[dtype]["ram_bytes_per_token"] == 2 * width  # read back in the training dtype
+        tokens = sum(len(r["input_ids"]) for r in rows)
+        assert estimated_bytes(rows, width, "float8_e4m3fn") == tokens * (width + 4)
+        assert sizes["float8_e4m3fn"]["disk_bytes"] <= 0.55 * sizes["bfloat16"]["disk_bytes"]  # (W + 4) / 2W + headers
+
+
+def test_a_cache_of_another_dtype_is_refused(tiny, tmp_path):
+    """fp8 and bf16 caches are not interchangeable: the manifest's dtype is checked like every spec field."""
+    rows = rows_of(LENGTHS, tiny[0].config.vocab_size)
+    spec, _ = build(tiny, tmp_path, rows, dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match="another dtype: cache 'float8_e4m3fn', this run 'bfloat16'"):
+        read_cache(tmp_path, CacheSpec(**{**spec.__dict__, "dtype": "bfloat16"}), rows)
 
 
 def test_a_corrupt_shard_is_named_when_training_reads_the_cache(tiny, tmp_path):
@@ -133,6 +178,23 @@ def test_training_on_the_state_cache_follows_the_in_memory_curve(tmp_path, cache
     with pytest.raises(ValueError, match="another layer_ids"):  # a DFlash job cannot read Medusa's cache
         run_dflash(short("dflash", tmp_path / "d", cache_dir, "data.target_states=disk",
                            f"data.target_states_dir={hs}", "data.target_states_dtype=float32", "eval.peer_runs=[]"))
+
+
+@pytest.mark.slow
+def test_a_smoke_job_trains_from_an_fp8_cache(tmp_path, cache_dir, capsys):
+    """A float8_e4m3fn cache (the job prints its disk bytes and RAM per token) trains Medusa's heads: the loss
+    falls and follows the in-memory curve within fp8's rounding."""
+    hs, fp8 = f"data.target_states_dir={tmp_path / 'hs'}", "data.target_states_dtype=float8_e4m3fn"
+    cache_states(short("medusa", tmp_path / "a", cache_dir, hs, fp8))
+    printed = capsys.readouterr().out
+    assert "in float8_e4m3fn" in printed and "bytes per token in RAM" in printed, printed[-2000:]
+    disk = run_medusa(short("medusa", tmp_path / "b", cache_dir, hs, fp8, "data.target_states=disk"))
+    with pytest.raises(ValueError, match="another dtype: cache 'float8_e4m3fn', this run 'bfloat16'"):
+        run_medusa(short("medusa", tmp_path / "c", cache_dir, hs, "data.target_states=disk"))
+    memory = run_medusa(short("medusa", tmp_path / "d", cache_dir))
+    a, b = ([x["stage1/loss"] for x in r["train_curves"]["stage1"]] for r in (disk, memory))
+    assert len(a) == len(b) > 2 and a[-1] < 0.8 * a[0], a
+    assert a == pytest.approx(b, rel=5e-3)  # 6e-4 measured
 
 
 @pytest.mark.slow
@@ -208,7 +270,7 @@ def test_vllm_layer_ids_are_ours_plus_one_and_the_last_state_is_normed_here(tiny
         states(rows)
 
 
-VLLM_CACHE_OWN = {"medusa": [], "dflash": [], "eagle3": ["eagle3.ttt_steps=2"]}
+VLLM_CACHE_OWN = {"medusa": [], "dflash": [], "eagle3": ["eagle3.ttt_steps=2"], "dspark": []}
 """Each drafter's own overrides for the vLLM-made cache test (every registered drafter has an entry)."""
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from draftheads.data.hidden_states import layer_features
-from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token, paper_decay,
-                           default_target_layer_ids, dflash_loss, sample_anchors)
+from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, block_labels, choose_mask_token,
+                                              default_target_layer_ids, dflash_loss, paper_decay, sample_anchors)
 from draftheads.drafters.dflash.export import expected_shapes, export_dflash, load_dflash
 from draftheads.drafters.dflash.training import DFlashTraining
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode

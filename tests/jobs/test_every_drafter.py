@@ -18,6 +18,7 @@ OWN = {
     "medusa": ["stage1.epochs=1", "stage2.epochs=0.5"],
     "dflash": ["train.epochs=1", "eval.peer_runs=[]"],
     "eagle3": ["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"],
+    "dspark": ["train.epochs=1", "eval.peer_runs=[]"],
 }
 """Each drafter's overrides of the smoke job for a short run (its peer runs, which the test does not make, off)."""
 SAVED = {"medusa": ["medusa_heads"]}

@@ -54,7 +54,8 @@ HEADS = "medusa_heads/medusa_heads.safetensors"
 JOBS = {"medusa": ([*SMOKE_STAGES, "stage2.enabled=false"], [HEADS]),
         "medusa2": (SMOKE_STAGES, [HEADS, "export/target/model.safetensors"]),
         "dflash": (["train.epochs=1", "eval.peer_runs=[]"], ["export/dflash/model.safetensors"]),
-        "eagle3": (["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"], ["export/eagle3/model.safetensors"])}
+        "eagle3": (["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"], ["export/eagle3/model.safetensors"]),
+        "dspark": (["train.epochs=1", "eval.peer_runs=[]"], ["export/dspark/model.safetensors"])}
 """Every registered drafter, and Medusa with stage 2 (``medusa2``): its own overrides of the smoke job and the
 files a run saves that must be the same from the partial target as from the whole one."""
 

@@ -6,38 +6,15 @@ from p instead of max(0, p - q), dropping the bonus token, processing p and q di
 power is checked on those buggy rules too.
 """
 
-import math
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftheads.models.speculative import (Proposal, Sampling, accept_chain, plain_decode, prompt_lookup_decode, propose,
                                            speculative_decode)
-from tests.helpers import StubDrafter
-
-Z_999 = 3.0902  # standard normal quantile for 1 - 1e-3
-
-
-def chi2_critical(df: int) -> float:
-    """Wilson-Hilferty approximation of the chi-square quantile at 1 - 1e-3."""
-    return df * (1 - 2 / (9 * df) + Z_999 * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2_rejects(counts: torch.Tensor, probs: torch.Tensor) -> bool:
-    """Pearson's test of observed ``counts`` against ``probs`` (cells with expected < 5 pooled); no
-    observation at all rejects too."""
-    n = counts.sum()
-    if n == 0:
-        return True
-    expected = probs.double() * n
-    big = expected >= 5
-    obs = torch.cat([counts.double()[big], counts.double()[~big].sum(0, keepdim=True)])
-    exp = torch.cat([expected[big], expected[~big].sum(0, keepdim=True)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    return stat > chi2_critical(int(keep.sum()) - 1)
-
+from tests.helpers import StubDrafter, chi2_rejects
+from tests.helpers import exact_joint as _exact_joint
+from tests.helpers import pair_counts as _pair_counts
 
 V, G, N = 6, 2, 8_000
 SAMPLING = Sampling(temperature=0.7, top_k=5, proposal=Proposal.sample)
@@ -166,24 +143,6 @@ def small_vocab_model():
     for p in model.parameters():
         p.data.normal_(0, 0.5)
     return model
-
-
-def _exact_joint(model, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """``[V * V]``: the target's probability of each (first, second) generated token pair."""
-    vocab = model.config.vocab_size
-    with torch.no_grad():
-        first = sampling.probs(model(prompt[None]).logits[0, -1])
-        seconds = torch.stack([sampling.probs(model(torch.cat([prompt, torch.tensor([a])])[None]).logits[0, -1])
-                               for a in range(vocab)])
-    return (first[:, None] * seconds).flatten()
-
-
-def _pair_counts(decode, n: int, vocab: int) -> torch.Tensor:
-    counts = torch.zeros(vocab * vocab, dtype=torch.long)
-    for _ in range(n):
-        a, b = decode().tokens
-        counts[a * vocab + b] += 1
-    return counts
 
 
 @pytest.mark.parametrize("proposal", list(Proposal))

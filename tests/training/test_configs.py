@@ -64,13 +64,14 @@ def test_every_registered_drafter_has_a_config_and_records_its_name():
     ("medusa", "trainer.mixed_precision=bf32", "bf16, fp16, no"),
     ("medusa", "tracker.name=mlflow", "wandb, tensorboard, none"),
     ("medusa", "data.target_states=offline", "online, memory, disk"),
-    ("medusa", "data.target_states_dtype=fp8", "float32, bfloat16, float16"),
+    ("medusa", "data.target_states_dtype=fp8", "float32, bfloat16, float16, float8_e4m3fn"),
     ("medusa", "data.overlong=cut", "truncate, drop"),
     ("medusa", "data.train_on=first", "all, last"),
     ("medusa", "data.system=merge", "auto, keep, fold, drop"),
     ("medusa", "data.format=csv", "auto, messages, sharegpt, prompt, tokenized"),
     ("medusa", "data.source=s3", "chitchat, humaneval, jsonl, hub"),
     ("medusa", "model.dtype=int8", "float32, bfloat16, float16"),
+    ("medusa", "model.dtype=float8_e4m3fn", "float32, bfloat16, float16"),  # a cache dtype, not a weights one
     ("dflash", "dflash.attention=xformers", "auto, flex, sdpa"),
 ])
 def test_a_choice_outside_its_words_fails_when_the_config_is_composed(job, override, valid):

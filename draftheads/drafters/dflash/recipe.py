@@ -13,6 +13,7 @@ from draftheads.drafters.dflash.config import DFlashConfig, DFlashRunConfig
 from draftheads.drafters.dflash.export import export_dflash, load_dflash
 from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, paper_decay,
                                               default_target_layer_ids)
+from draftheads.drafters.dflash.serving import SERVING
 from draftheads.drafters.dflash.training import DFlashTraining
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.training.recipe import FeatureRecipe, Trained
@@ -22,6 +23,7 @@ class DFlash(FeatureRecipe):
     """The DFlash recipe (see :class:`draftheads.training.recipe.FeatureRecipe`)."""
     name = "dflash"
     schema = DFlashRunConfig
+    serving = SERVING
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:
         """K = ``dflash.num_target_features`` layers spaced from 1 to L-3, as the paper's."""
@@ -50,8 +52,8 @@ class DFlash(FeatureRecipe):
         """A fresh drafter for ``target`` from ``conf.dflash`` (layer ids and mask token resolved)."""
         d = conf.dflash
         mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
-        drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, list(self.drafter_layers(conf, target)),
-                                              mask)
+        layers = list(self.drafter_layers(conf, target))
+        drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, layers, mask)
         if d.attention != "auto":
             drafter.attention = d.attention.value
         return drafter

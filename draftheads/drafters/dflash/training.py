@@ -1,7 +1,7 @@
 """DFlash training as a spine strategy (arXiv 2602.06036, section 3): the drafter trains on the target's
-multi-layer features (cached or computed per batch), many random blocks per sequence in one pass, with
-its objective weighted per block position (:mod:`draftheads.training.objectives`). Only the drafter is registered (what DDP wraps and checkpoints save); the
-target is held outside registration.
+multi-layer features (cached or computed per batch), many random blocks per sequence in one pass, with its
+objective weighted per block position (:mod:`draftheads.training.objectives`). Only the drafter is registered
+(what DDP wraps and checkpoints save); the target is held outside registration.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from draftheads.drafters.eagle3.config import Eagle3RunConfig
 from draftheads.drafters.eagle3.export import export_eagle3, load_eagle3
 from draftheads.drafters.eagle3.model import (NORM_FLAGS, Eagle3DraftModel, Eagle3Drafter, default_layer_ids,
                                               draft_vocabulary, norm_flags)
+from draftheads.drafters.eagle3.serving import FLAGS, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.training.recipe import FeatureRecipe, Trained
 
@@ -19,6 +20,7 @@ class Eagle3(FeatureRecipe):
     """The EAGLE-3 recipe (see :class:`draftheads.training.recipe.FeatureRecipe`)."""
     name = "eagle3"
     schema = Eagle3RunConfig
+    serving = SERVING
 
     def default_layers(self, conf: Eagle3RunConfig, target) -> list[int]:
         """:func:`default_layer_ids`: low, middle and high, as the servers default to."""
@@ -60,10 +62,6 @@ class Eagle3(FeatureRecipe):
         if "eagle_aux_hidden_state_layer_ids" in drafter.config.eagle_config:
             print(f"{path}: target layers {list(drafter.target_layer_ids)} are not the servers' default, so the "
                   f"export names them as vLLM reads them; SGLang reads those ids one layer later", flush=True)
-        on = [name for name, value in norm_flags(drafter.config).items() if value]
-        if on:
-            print(f"{path}: EAGLE-3.1 {', '.join(on)}: vLLM 0.32 reads them; SGLang's llama_eagle3.py (as checked) "
-                  f"does not, and would serve this drafter without them", flush=True)
         return path
 
     def read_export(self, folder: Path, target) -> Eagle3DraftModel:
@@ -75,6 +73,10 @@ class Eagle3(FeatureRecipe):
 
     def chain(self, conf: Eagle3RunConfig, trained: Trained, target) -> Eagle3Drafter:
         return Eagle3Drafter(trained.model, conf.eagle3.gamma)
+
+    def serving_variant(self, conf: Eagle3RunConfig, trained: Trained) -> str:
+        """EAGLE-3.1's rows when any of its norm flags is on (``serving.json`` then names the lines that read them)."""
+        return FLAGS if any(norm_flags(trained.model.config).values()) else ""
 
     def draft_length(self, conf: Eagle3RunConfig, trained: Trained) -> int:
         """``eagle3.gamma``: the drafter decodes autoregressively, as many steps as asked."""

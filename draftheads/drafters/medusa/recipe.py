@@ -13,6 +13,7 @@ from draftheads.drafters.medusa.config import MedusaRunConfig
 from draftheads.drafters.medusa.export import (HEADS_CONFIG, export_tgi_medusa, export_vllm_medusa, load_any_heads,
                                                load_heads, save_heads, saved_fields)
 from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
+from draftheads.drafters.medusa.serving import SERVING
 from draftheads.drafters.medusa.training import (MedusaStage1, MedusaStage2, check_unfreeze, split_states,
                                                   stage2_layers)
 from draftheads.drafters.medusa.validation import validate
@@ -36,6 +37,7 @@ class Medusa(Recipe):
     stages = ("stage1", "stage2")
     vllm_weights = "export/vllm"
     saved_entries = ("medusa_heads",)
+    serving = SERVING
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """The objective's keys, stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them

@@ -1,0 +1,264 @@
+"""DSpark draft model (DeepSeek, "DSpark: Confidence-Scheduled Speculative Decoding with Semi-Autoregressive
+Generation", arXiv 2607.05147), laid out as vLLM's ``qwen3_dspark.py`` loads it and drafting as vLLM's
+``v1/worker/gpu/spec_decode/dspark/speculator.py`` drafts.
+
+- Backbone: DFlash's (:class:`~draftheads.drafters.dflash.model.DFlashDraftModel`, as vLLM's
+  ``Qwen3DSparkModel`` extends ``DFlashQwen3Model``): ``fc`` + ``hidden_norm`` on K target layers' outputs, N Qwen3
+  decoder layers that take them as extra keys/values, ``norm``; the target's embedding table and LM head, frozen.
+- Block ("anchor as first prediction", vLLM's ``sample_from_anchor``): S = block_size positions ``a..a+S-1``
+  holding ``[anchor, noise x (S-1)]``, bidirectional inside, seeing the context strictly before the anchor; the
+  output at position k drafts token ``a+k+1``, so a block drafts gamma = S tokens (DFlash's position k drafts
+  token ``a+k``, S-1 of them).
+- Markov head (the sequential stage): ``markov_w1`` (``V x r`` embedding) and ``markov_w2`` (``r -> V``, no
+  bias). Position k's logits are ``lm_head(h_k) + markov_w2(markov_w1[x])`` with x the token before it: the
+  anchor at k = 0, else the token drafted at k-1 (its argmax when drafting greedily; the true token in training).
+- Confidence head: ``proj`` (``D + r -> 1`` with bias) on ``[h_k; markov_w1[x]]``; its sigmoid predicts that
+  position k's draft is accepted given the ones before it were (vLLM multiplies them along the block into
+  survival probabilities, ``adaptive_verification.py``), trained against the acceptance probability
+  ``alpha_k = sum_v min(p_v, q_v)`` as DeepSpec trains it.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from draftheads.drafters.dflash.model import DFlashDraftModel, DFlashDrafter, block_labels
+from draftheads.drafters.dflash.model import draft_config as dflash_draft_config
+from draftheads.training.held_out import chain_estimates
+from draftheads.training.lm_head_loss import drafted_loss
+from draftheads.training.objectives import chain_weights, normalise
+
+
+def draft_config(target_config, num_layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int,
+                 markov_rank: int, confidence: bool, confidence_with_markov: bool = True):
+    """The draft config as ``config.json`` holds it: DFlash's Qwen3 decoder of the target's width, with DSpark's
+    keys where vLLM and DeepSpec read them (top level: ``block_size``, ``target_layer_ids``, ``mask_token_id``,
+    ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``,
+    ``sample_from_anchor``)."""
+    config = dflash_draft_config(target_config, num_layers, block_size, target_layer_ids, mask_token_id)
+    del config.dflash_config
+    config.architectures = ["Qwen3DSparkModel"]
+    config.target_layer_ids = list(target_layer_ids)
+    config.mask_token_id = mask_token_id
+    config.markov_rank = markov_rank
+    config.markov_head_type = "vanilla"
+    config.enable_confidence_head = bool(confidence)
+    config.confidence_head_with_markov = bool(confidence and confidence_with_markov)
+    config.sample_from_anchor = True
+    return config
+
+
+def dflash_view(config):
+    """A copy of a DSpark config that DFlash's backbone reads (its ``dflash_config``); the original is left as
+    exported."""
+    view = copy.copy(config)
+    view.dflash_config = {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}
+    return view
+
+
+class MarkovProjection(nn.Linear):
+    """``markov_w2``: ``[.., r] -> [.., V]``, bias-free. Given ``labels`` its forward returns the drafted loss
+    (:func:`~draftheads.training.lm_head_loss.drafted_loss`) of the logits ``lm_head(hidden) + markov_w2(embed)``,
+    made as one linear map of ``[hidden; embed]`` through ``[W_lm; W2]`` (chunked, no ``[N, V]`` logits), its
+    weight read inside its own forward, where sharding engines gather it (ZeRO-3)."""
+
+    def forward(self, embed: torch.Tensor, hidden: torch.Tensor | None = None, lm_head: nn.Module | None = None,
+                labels: torch.Tensor | None = None, **loss):
+        if labels is None:
+            return super().forward(embed)
+        weight = torch.cat([lm_head.weight.to(self.weight.dtype), self.weight], dim=1)
+        head = SimpleNamespace(weight=weight, bias=lm_head.bias)
+        return drafted_loss(head, torch.cat([hidden, embed.to(hidden.dtype)], dim=-1), labels, **loss)
+
+
+class DSparkMarkovHead(nn.Module):
+    """vLLM's ``DSparkMarkovHead``: ``markov_w1`` (``nn.Embedding(V, r)``) and ``markov_w2`` (``r -> V``)."""
+
+    def __init__(self, vocab_size: int, rank: int):
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = MarkovProjection(rank, vocab_size, bias=False)
+
+    def forward(self, prev: torch.Tensor, hidden: torch.Tensor | None = None, lm_head: nn.Module | None = None,
+                labels: torch.Tensor | None = None, **loss):
+        """``[..]`` previous token ids -> ``[.., V]`` logit bias; with ``hidden``, ``lm_head`` and ``labels``
+        (:class:`MarkovProjection`) the drafted loss of the biased logits."""
+        return self.markov_w2(self.markov_w1(prev), hidden, lm_head, labels, **loss)
+
+
+class DSparkConfidenceHead(nn.Module):
+    """vLLM's ``DSparkConfidenceHead``: ``proj`` (``input_dim -> 1``, with bias) on the position's hidden state,
+    beside the previous token's Markov embedding when ``with_markov``; returns logits (float32)."""
+
+    def __init__(self, input_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(input_dim, 1)
+
+    def forward(self, hidden: torch.Tensor, markov_embed: torch.Tensor | None = None) -> torch.Tensor:
+        x = hidden if markov_embed is None else torch.cat([hidden, markov_embed.to(hidden.dtype)], dim=-1)
+        return self.proj(x.to(self.proj.weight.dtype)).squeeze(-1).float()
+
+
+class DSparkDraftModel(DFlashDraftModel):
+    """The DSpark drafter: DFlash's ``fc``, ``hidden_norm``, ``layers.{i}``, ``norm``, plus ``markov_head`` and
+    (when the config enables it) ``confidence_head``; the target's embedding table and LM head are held, frozen
+    and unregistered.
+
+    Args:
+        config: from :func:`draft_config`.
+        embed_weight, lm_head: the target's ``[V, D]`` input embedding table and its LM head.
+    Raises ``ValueError`` for feature layers outside the target, a block under 2 positions (the DFlash
+    backbone's), a Markov rank under 1 or a Markov head other than vanilla.
+    """
+
+    def __init__(self, config, embed_weight: torch.Tensor, lm_head: nn.Module):
+        super().__init__(dflash_view(config), embed_weight, lm_head)
+        self.config = config
+        rank = config.markov_rank
+        if config.markov_head_type != "vanilla" or rank < 1:
+            raise ValueError(f"DSpark's Markov head is vanilla with rank >= 1 (what vLLM serves); got "
+                             f"{config.markov_head_type!r} of rank {rank}")
+        self.markov_head = DSparkMarkovHead(config.vocab_size, rank)
+        self.confidence_with_markov = bool(config.confidence_head_with_markov)
+        self.confidence_head = None
+        if config.enable_confidence_head:
+            self.confidence_head = DSparkConfidenceHead(config.hidden_size + (rank if self.confidence_with_markov
+                                                                              else 0))
+        std = config.initializer_range  # as DeepSpec's post_init: N(0, std) weights, zero biases
+        nn.init.normal_(self.markov_head.markov_w1.weight, std=std)
+        nn.init.normal_(self.markov_head.markov_w2.weight, std=std)
+        if self.confidence_head is not None:
+            nn.init.normal_(self.confidence_head.proj.weight, std=std)
+            nn.init.zeros_(self.confidence_head.proj.bias)
+
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, num_layers: int, block_size: int, target_layer_ids: list[int],
+                   mask_token_id: int, markov_rank: int = 256, confidence: bool = True,
+                   confidence_with_markov: bool = True) -> "DSparkDraftModel":
+        """A fresh drafter of ``target``'s width (float32, on ``target``'s device)."""
+        config = draft_config(target.config, num_layers, block_size, target_layer_ids, mask_token_id, markov_rank,
+                              confidence, confidence_with_markov)
+        model = cls(config, target.get_input_embeddings().weight, target.get_output_embeddings())
+        return model.to(next(target.parameters()).device)
+
+    def confidence_logits(self, hidden: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """``[.., D]`` hidden states and ``[..]`` previous tokens -> ``[..]`` confidence logits (float32)."""
+        embed = self.markov_head.markov_w1(prev) if self.confidence_with_markov else None
+        return self.confidence_head(hidden, embed)
+
+
+def block_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor,
+                  block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What block position k = 0..S-1 trains on (S = block size): ``(labels, valid, prev)``, each ``[B, A, S]``.
+    ``labels`` = ``token[anchor + k + 1]``; ``valid`` where that is a response token inside the row and so is every
+    earlier position's (DeepSpec's contiguous ``eval_mask``); ``prev`` = ``token[anchor + k]``, the token the
+    Markov head reads (the anchor at k = 0; teacher-forced)."""
+    labels, valid = block_labels(input_ids, loss_mask, anchors, block_size + 1)
+    valid = valid.long().cumprod(-1).bool()
+    T = input_ids.shape[1]
+    pos = (anchors.clamp(min=0)[..., None] + torch.arange(block_size, device=anchors.device)).clamp(max=T - 1)
+    prev = input_ids.gather(1, pos.flatten(1)).view(pos.shape)
+    return labels, valid, prev
+
+
+def dspark_loss(model: DSparkDraftModel, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                prev: torch.Tensor, settings, confidence_weight: float,
+                teacher_states: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The objective over block positions with the Markov bias, plus the confidence head's binary
+    cross-entropy.
+
+    Args:
+        hidden: ``[B, A, S, D]`` from :meth:`DSparkDraftModel.forward`; labels, valid, prev: ``[B, A, S]``
+            (:func:`block_targets`).
+        settings: ``dspark``'s :class:`~draftheads.training.objectives.Objective` (``position_decay`` set).
+        confidence_weight: the BCE's weight (0: the confidence head, if any, does not train).
+        teacher_states: ``[B, A, S, D]`` the target's last hidden states that predict each position's token
+            (:func:`~draftheads.drafters.dflash.model.block_states` at S + 1); needed by a distillation objective
+            and by the confidence head (its target is ``alpha``).
+    Returns ``(loss, metrics)``: ``loss`` = the objective's weighted mean + ``confidence_weight`` x the BCE's (the
+    same position weights); metrics :func:`~draftheads.training.held_out.chain_estimates` (``acc_pos{k}``,
+    ``alpha_pos{k}``, ``tau_estimate``), ``overlap`` (mean alpha) with a teacher, and with a trained confidence
+    head ``confidence_bce``, ``confidence_abs_error`` and ``confidence_bias`` (mean ``sigmoid - alpha``).
+    Raises ``ValueError`` when no target is valid, or a trained confidence head has no teacher.
+    """
+    if not valid.any():
+        raise ValueError("a DSpark batch has no valid block target: no response token follows any anchor")
+    train_confidence = model.confidence_head is not None and confidence_weight > 0
+    if train_confidence and teacher_states is None:
+        raise ValueError("the DSpark confidence head trains against the target's acceptance probability: give "
+                         "the target's last hidden states")
+    head = model.frozen[1]
+    h, y = hidden[valid], labels[valid]
+    embed = model.markov_head.markov_w1(prev[valid])  # read by both heads
+    teacher = None if teacher_states is None else (teacher_states[valid], head.weight, head.bias)
+    out = model.markov_head.markov_w2(embed, h, head, y, valid=valid, settings=settings, teacher=teacher)
+    loss = out.loss
+    with torch.no_grad():
+        correct = torch.zeros_like(valid)
+        correct[valid] = out.top[:, 0] == y
+    metrics = chain_estimates(correct, valid)
+    if out.alpha is not None:
+        metrics["overlap"] = out.alpha.mean()
+    if train_confidence:
+        ce = torch.zeros(valid.shape, device=hidden.device)
+        ce[valid] = out.ce
+        weights = normalise(chain_weights(settings, valid, ce))[valid]
+        logits = model.confidence_head(h, embed if model.confidence_with_markov else None)
+        bce = F.binary_cross_entropy_with_logits(logits, out.alpha, reduction="none")
+        loss = loss + confidence_weight * (bce * weights).sum()
+        with torch.no_grad():
+            error = logits.sigmoid() - out.alpha
+            metrics |= {"confidence_bce": bce.mean(), "confidence_abs_error": error.abs().mean(),
+                        "confidence_bias": error.mean()}
+    return loss, metrics
+
+
+class DSparkDrafter(DFlashDrafter):
+    """A trained :class:`DSparkDraftModel` as the evaluator's chain drafter, drafting as vLLM's
+    ``DSparkSpeculator`` does: one backbone pass over ``[last_token, noise x (S-1)]`` at the next S positions
+    (the context K/V of verified tokens kept across steps, as :class:`DFlashDrafter` keeps it), the base logits of
+    every position at once, then left to right: position k's logits are its base logits plus the Markov bias of
+    the token before it (``last_token`` at k = 0, position k-1's argmax after), gamma = S.
+
+    At temperature > 0 with ``eval.proposal=sample`` each position's draft is drawn from its q while the chain of
+    Markov biases continues from q's argmax, as EAGLE-3 here: lossless (every draft is drawn from the q it is
+    verified against), but not vLLM's ``draft_sample_method=probabilistic``, which continues from the sampled
+    token; vLLM's default (greedy drafting, one-hot q) is ``eval.proposal=argmax``, exactly.
+    ``acceptance`` holds the confidence head's per-position estimates of the last block (None without a head):
+    what vLLM's adaptive verification ranks; the evaluator verifies every draft.
+    """
+
+    def __init__(self, model: DSparkDraftModel):
+        super().__init__(model)
+        self.name, self.gamma = "dspark", model.block_size
+        self.acceptance: torch.Tensor | None = None
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                     tokens: torch.Tensor | None) -> torch.Tensor:
+        if features is not None and len(features):
+            self._extend(features)
+        if self._context is None:
+            raise RuntimeError("DSpark drafts from target features: the first call must carry the prompt's")
+        model, S = self.model, self.model.block_size
+        device = model.fc.weight.device
+        ids = torch.full((1, S), model.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = last_token
+        positions = torch.arange(self._length, self._length + S, device=device)[None]
+        hidden = model.blocks(ids, positions, self._context, None)[0]
+        base = model.logits(hidden)
+        prev = ids[0, :1]
+        out, prevs = [], []
+        for k in range(S):
+            prevs.append(prev)
+            out.append(base[k] + model.markov_head(prev)[0])
+            prev = out[-1].argmax(-1, keepdim=True)
+        if model.confidence_head is not None:
+            self.acceptance = model.confidence_logits(hidden, torch.cat(prevs)).sigmoid()
+        return torch.stack(out)

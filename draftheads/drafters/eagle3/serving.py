@@ -1,0 +1,50 @@
+"""EAGLE-3's rows of the serving matrix (``docs/serving.md``): which server loads ``export/eagle3``, plain and
+with EAGLE-3.1's flags, each cell with the line of that server's source read at the versions
+:data:`~draftheads.evaluation.serving.SERVERS` names."""
+
+from __future__ import annotations
+
+from draftheads.evaluation.serving import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+
+FLAGS = "EAGLE-3.1 flags"
+"""The variant of an export with any of ``eagle3.{fc_norm,norm_before_fc,norm_output}`` on."""
+SPEC = "'{\"method\": \"eagle3\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
+VLLM_CPU = f"python -m vllm.entrypoints.openai.api_server --model $target --speculative-config {SPEC}"
+VLLM_GPU = f"vllm serve $target --speculative-config {SPEC}"
+SGLANG = ("python -m sglang.launch_server --model-path $target --speculative-algorithm EAGLE3 "
+          "--speculative-draft-model-path $export --speculative-num-steps $n --speculative-eagle-topk 1 "
+          "--speculative-num-draft-tokens $n1")
+NO_GEMMA3 = "not for a Gemma 3 target (docs/eagle3.md)"
+LAYERS = ("reads `eagle_aux_hidden_state_layer_ids` one layer later than vLLM (`srt/models/llama.py:939-941`): an "
+          "export of other than the default layers is served on other features")
+NO_TGI = Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
+                     "MLPSpeculator only; no EAGLE anywhere in `server/`)")
+
+EXPORT = Served("export/eagle3", "eagle3", {
+    VLLM_032.key: Cell(True, "`vllm/config/speculative.py:70-71` (\"eagle3\" in `EagleModelTypes`), "
+                             "`model_executor/models/registry.py:662` (`LlamaForCausalLMEagle3` -> `llama_eagle3`)",
+                       VLLM_CPU, f"parity with draftheads verified here: docs/serving.md; {NO_GEMMA3}"),
+    VLLM_033.key: Cell(True, "`vllm/config/speculative.py:71-72`, `model_executor/models/registry.py:702` "
+                             "(`LlamaForCausalLMEagle3`); `llama_eagle3.py` identical to 0.32's (diffed)",
+                       VLLM_GPU, NO_GEMMA3),
+    SGLANG_0523.key: Cell(True, "`srt/speculative/spec_info.py:43` (`EAGLE3`), `srt/models/llama_eagle3.py:272` "
+                                "(`LlamaForCausalLMEagle3`, `EntryClass` :387)", SGLANG, LAYERS),
+    TGI_337.key: NO_TGI,
+})
+
+EAGLE31 = Served("export/eagle3", "eagle3", {
+    VLLM_032.key: Cell(True, "`model_executor/models/llama_eagle3.py:184-188` (`norm_before_fc`), :231 (`fc_norm`), "
+                             ":252 (`norm_output`), applied at :405-418 (`input_norm.` weights dropped without "
+                             "the flag, :464)",
+                       VLLM_CPU, "parity with draftheads verified here with all three flags: "
+                                 "tests/evaluation/test_vllm_parity.py"),
+    VLLM_033.key: Cell(True, "`model_executor/models/llama_eagle3.py:184-188`, :231, :252 (identical to 0.32's, "
+                             "diffed)", VLLM_GPU, NO_GEMMA3),
+    SGLANG_0523.key: Cell(True, "`srt/models/llama_eagle3.py:173-174` (`norm_before_fc`, from `eagle_config` first), "
+                                ":185 (`fc_norm`), :207 (`norm_output`), applied at :239-246 and :268, weights loaded "
+                                "as `model.<name>` (:372)", SGLANG,
+                          "read, not run; it has no `norm_before_residual`, which the export writes false; " + LAYERS),
+    TGI_337.key: NO_TGI,
+}, variant=FLAGS)
+
+SERVING = (EXPORT, EAGLE31)
