@@ -65,7 +65,9 @@ def test_sharded_medusa_run_trains_what_ddp_trains(engine, kind, ddp_medusa, tmp
     assert_same_weights(weights(out / "medusa_heads"), weights(ref_out / "medusa_heads"))
     layers = {k: v for k, v in weights(ref_out / "export" / "target").items() if ".layers.2." in k or ".layers.3." in k}
     trained = weights(out / "export" / "target")
-    assert_same_weights({k: trained[k] for k in layers}, layers)
+    # the stage-2 layers take AdamW steps from float32 gradients whose reduction order differs by engine: ZeRO-3
+    # measured 1.35e-5 in an MLP weight (the curves and heads agree to 1e-5), as EAGLE-3's unroll does below
+    assert_same_weights({k: trained[k] for k in layers}, layers, atol=5e-5)
     assert all(greedy_lossless(m) for m in report["eval"].values())
 
 
