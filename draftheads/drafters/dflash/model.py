@@ -400,18 +400,25 @@ class DFlashDrafter:
             (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2)) for (k0, v0), (k1, v1) in zip(self._context, new)]
         self._length += m
 
-    @torch.inference_mode()
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
-                    tokens: torch.Tensor | None) -> torch.Tensor:
+    def _block(self, last_token: int, features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The newly verified tokens' ``features`` added to the context, then the next block: ids ``[1, S]``
+        (``last_token``, then the mask token) and their positions ``[1, S]``. ``RuntimeError`` when no context was
+        ever given (the first call must carry the prompt's features)."""
         if features is not None and len(features):
             self._extend(features)
         if self._context is None:
-            raise RuntimeError("DFlash drafts from target features: the first call must carry the prompt's")
+            raise RuntimeError(f"{self.name} drafts from target features: the first call must carry the prompt's")
         model, S = self.model, self.model.block_size
         device = model.fc.weight.device
         ids = torch.full((1, S), model.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = last_token
-        positions = torch.arange(self._length, self._length + S, device=device)[None]
+        return ids, torch.arange(self._length, self._length + S, device=device)[None]
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                    tokens: torch.Tensor | None) -> torch.Tensor:
+        ids, positions = self._block(last_token, features)
+        model, S, device = self.model, self.model.block_size, ids.device
         fixed = torch.zeros(S - 1, dtype=torch.bool, device=device)
         out = None
         for step in range(self.denoise_steps):

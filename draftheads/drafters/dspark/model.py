@@ -242,15 +242,8 @@ class DSparkDrafter(DFlashDrafter):
     @torch.inference_mode()
     def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
                      tokens: torch.Tensor | None) -> torch.Tensor:
-        if features is not None and len(features):
-            self._extend(features)
-        if self._context is None:
-            raise RuntimeError("DSpark drafts from target features: the first call must carry the prompt's")
+        ids, positions = self._block(last_token, features)
         model, S = self.model, self.model.block_size
-        device = model.fc.weight.device
-        ids = torch.full((1, S), model.mask_token_id, dtype=torch.long, device=device)
-        ids[0, 0] = last_token
-        positions = torch.arange(self._length, self._length + S, device=device)[None]
         hidden = model.blocks(ids, positions, self._context, None)[0]
         base = model.logits(hidden)
         prev = ids[0, :1]
