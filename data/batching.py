@@ -2,6 +2,7 @@
 
 Contracts:
 - a row: ``{"input_ids": [T] int64, "loss_mask": [T] bool, "source": str, "row": int}``, optionally
+  ``"thinking": bool`` (the thinking mode it was rendered and answered in, ``data.thinking_fraction``),
   ``"hidden_states": [T, D]`` float (the target's last hidden states, cached), ``"target_features": [T, K*D]``
   (outputs of K target layers, for DFlash and EAGLE-3) and ``"layer_input": [T, D]`` (the input of the first
   layer Medusa's stage 2 trains);
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from draftheads.data.templates import TemplateRejected, chat_tokens
+from draftheads.data.templates import THINKING_LABELS, TemplateRejected, chat_tokens
 
 
 @dataclass
@@ -47,6 +48,9 @@ class DataReport:
     job, which knows the batches)."""
     examples: dict[str, str] = field(default_factory=dict)
     """The first error message of each skip reason."""
+    thinking_modes: dict[str, int] = field(default_factory=dict)
+    """Rows made in each thinking mode (``thinking``, ``no_thinking``), training and validation together, when
+    ``data.thinking_fraction`` is set; empty for the template's default rendering."""
 
     @property
     def trainable_fraction(self) -> float:
@@ -65,9 +69,11 @@ class DataReport:
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(self.skipped.items())) or "none"
         pad = "" if self.padding_fraction is None else f", padding {self.padding_fraction:.1%}"
         left = f" + {self.rows_left_out} left out (beyond the processes' equal shares)" if self.rows_left_out else ""
+        modes = ", ".join(f"{k} {v}" for k, v in sorted(self.thinking_modes.items()))
+        modes = f"; rows per mode: {modes}" if modes else ""
         return (f"{self.rows_in} rows in -> {self.rows_out} out{left}, skipped: {skipped}; failed {self.failed}, "
                 f"truncated {self.truncated}, unfinished answers {self.unfinished_answers}; {self.tokens} tokens, "
-                f"{self.trainable_fraction:.1%} trainable; lengths {self.length_percentiles}{pad}")
+                f"{self.trainable_fraction:.1%} trainable; lengths {self.length_percentiles}{pad}{modes}")
 
 
 def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport, train_on: str = "all",
@@ -94,7 +100,8 @@ def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport,
                 continue
         else:
             try:
-                ids, mask = chat_tokens(tokenizer, c.messages, train_on, frozenset(getattr(c, "unfinished", ())))
+                ids, mask = chat_tokens(tokenizer, c.messages, train_on, frozenset(getattr(c, "unfinished", ())),
+                                        getattr(c, "thinking", None))
             except TemplateRejected as e:
                 report.skip("template_rejected", f"{where}: {e}")
                 continue
@@ -110,6 +117,11 @@ def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport,
             ids, mask = ids[:max_length], mask[:max_length]
         rows.append({"input_ids": torch.tensor(ids), "loss_mask": torch.tensor(mask), "source": c.source,
                      "row": c.row})
+        thinking = getattr(c, "thinking", None)
+        if thinking is not None:
+            rows[-1]["thinking"] = thinking
+            label = THINKING_LABELS[thinking]
+            report.thinking_modes[label] = report.thinking_modes.get(label, 0) + 1
         lengths.append(len(ids))
         report.tokens += len(ids)
         report.trainable_tokens += sum(mask)
@@ -129,6 +141,7 @@ def data_scalars(report: DataReport) -> dict[str, float]:
                                             "unfinished_answers", "tokens", "trainable_tokens", "trainable_fraction")}
     out |= {f"skipped_{k}": v for k, v in report.skipped.items()}
     out |= {f"length_{k}": v for k, v in report.length_percentiles.items()}
+    out |= {f"rows_{k}": v for k, v in report.thinking_modes.items()}
     if report.padding_fraction is not None:
         out["padding_fraction"] = report.padding_fraction
     return out
@@ -311,10 +324,13 @@ def _stretch(batches: list[list[dict]], count: int) -> list[list[dict]]:
 
 
 def rows_sha256(rows: list[dict]) -> str:
-    """sha256 of every row's ``input_ids`` in order: what a state cache and a checkpoint were made for."""
+    """sha256 of every row's ``input_ids`` and thinking mode (when the row has one) in order: what a state cache
+    and a checkpoint were made for. A row in another mode trains other tokens, so a cache or checkpoint made
+    for another ``data.thinking_fraction`` is refused, not reused."""
     data = hashlib.sha256()
     for r in rows:
-        data.update(torch.as_tensor(r["input_ids"]).numpy().astype("int64").tobytes() + b"|")
+        mode = {True: b"T", False: b"N"}.get(r.get("thinking"), b"")  # rows without a mode hash as before
+        data.update(torch.as_tensor(r["input_ids"]).numpy().astype("int64").tobytes() + mode + b"|")
     return data.hexdigest()
 
 

@@ -51,6 +51,9 @@ class Chat:
     tokens: tuple[tuple[int, ...], tuple[bool, ...]] | None = None
     unfinished: tuple[int, ...] = ()
     """Indices (into ``messages``) of answers the target left unfinished at its token budget."""
+    thinking: bool | None = None
+    """The thinking mode it is rendered and answered in (True, False; None: the template's default), chosen per
+    row by ``data.thinking_fraction`` (:func:`~draftheads.data.pipeline.with_thinking`)."""
 
     @property
     def where(self) -> str:
@@ -116,7 +119,8 @@ def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto",
             turns = _turns(row, where, key, role_key, content_key)
     messages = normalise(_mark_unfinished(row, turns, where), where)
     unfinished = tuple(i for i, m in enumerate(messages) if m.pop("unfinished", False))
-    return Chat(source, index, messages=tuple(messages), unfinished=unfinished)
+    thinking = row.get("thinking") if isinstance(row.get("thinking"), bool) else None  # a regeneration file's mode
+    return Chat(source, index, messages=tuple(messages), unfinished=unfinished, thinking=thinking)
 
 
 def _mark_unfinished(row: dict, turns: list[dict], where: str) -> list[dict]:

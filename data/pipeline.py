@@ -3,12 +3,15 @@ answers, turn by turn (cached) -> token ids and assistant-token loss masks -> a 
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import replace
 from pathlib import Path
 
 from draftheads.data.batching import DataReport, rows_from_chats
 from draftheads.data.conversations import load_chats
 from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate, resolve_reasoning
-from draftheads.data.templates import TemplateRejected, apply_system_policy, check_template, render
+from draftheads.data.templates import (TemplateRejected, apply_system_policy, check_template, check_thinking_switch,
+                                       render)
 
 
 def read_chats(data_cfg, tokenizer, report: DataReport, part: str, limit: int, src=None) -> list:
@@ -72,8 +75,31 @@ def _fit_template(chats: list, tokenizer, data_cfg, report: DataReport) -> list:
             report.skip("template_rejected", f"{c.where}: {e}")
             continue
         dropped = len(c.messages) - len(messages)  # a system turn folded or dropped moves every answer up
-        out.append(type(c)(c.source, c.row, tuple(messages), unfinished=tuple(i - dropped for i in c.unfinished)))
+        out.append(type(c)(c.source, c.row, tuple(messages), unfinished=tuple(i - dropped for i in c.unfinished),
+                           thinking=c.thinking))
     return out
+
+
+def with_thinking(chats: list, fraction: float | None, seed: int, tokenizer=None) -> list:
+    """``chats`` each with its thinking mode (``Chat.thinking``) for ``data.thinking_fraction``: of the n
+    conversations (pre-tokenised rows aside: used as given, they keep None), exactly ``round(fraction * n)``
+    thinking (True) and the others not (False); the thinking ones are those whose sha256 of ``(seed, source,
+    row)`` ranks lowest, so the split depends on the seed and the rows' provenance only, not on their order (the
+    same on every rank and every run). ``fraction`` None leaves every mode as it is (None: the template's
+    default rendering).
+
+    Raises ``ValueError`` for a fraction outside [0, 1], or, given ``tokenizer``, for a chat template with no
+    thinking switch (:func:`~draftheads.data.templates.check_thinking_switch`)."""
+    if fraction is None:
+        return chats
+    if not 0 <= fraction <= 1:
+        raise ValueError(f"data.thinking_fraction={fraction} must be in [0, 1] (or null: the template's default)")
+    if tokenizer is not None:
+        check_thinking_switch(tokenizer, "data.thinking_fraction")
+    rendered = [i for i, c in enumerate(chats) if c.tokens is None]
+    rank = sorted(rendered, key=lambda i: hashlib.sha256(f"{seed}|{chats[i].source}|{chats[i].row}".encode()).digest())
+    thinking = set(rank[:round(fraction * len(rendered))])
+    return [replace(c, thinking=i in thinking) if c.tokens is None else c for i, c in enumerate(chats)]
 
 
 def make_backend(data_cfg, target, tokenizer):
@@ -94,14 +120,23 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
 
     Called on every rank (``barrier`` a collective wait), the ranks share the regeneration. Regenerated
     conversations are cached under ``<cache_dir>/regenerated/<key>.jsonl``, ``key`` hashing the
-    target identity, its chat template, the conversations, the generation settings and the backend; a second run
-    reads them back.
-    Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, or no trainable token left.
+    target identity, its chat template, the conversations (with their thinking modes), the generation settings
+    and the backend; a second run reads them back. With ``data.thinking_fraction`` the training and the
+    validation conversations each get that share in thinking mode (:func:`with_thinking`, seeded by
+    ``data.generation.seed``), rendered, answered and trained in it; the rows carry ``thinking`` and the report
+    counts them.
+    Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, a thinking fraction outside [0, 1]
+    or one for a template with no thinking switch, or no trainable token left.
     """
     if data_cfg.num_val_prompts < 1:
         raise ValueError("data.num_val_prompts must be >= 1: the drafter is validated on held-out rows")
+    if data_cfg.thinking_fraction is not None:  # before any row is read
+        check_thinking_switch(tokenizer, "data.thinking_fraction")
     report = DataReport()
     train, val = split_chats(data_cfg, tokenizer, report)
+    seed = data_cfg.generation.seed
+    train, val = (with_thinking(train, data_cfg.thinking_fraction, seed),
+                  with_thinking(val, data_cfg.thinking_fraction, seed))
     chats = train + val
     if data_cfg.regenerate:
         messages = [c for c in chats if c.tokens is None]

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from draftheads.choice import Choice
 from draftheads.data.conversations import Chat
-from draftheads.data.templates import apply_system_policy, check_template, stop_token_ids
+from draftheads.data.templates import apply_system_policy, check_template, stop_token_ids, template_kwargs
 from draftheads.models.decoding import cut_at_stop, explicit_generation
 from draftheads.models.partial import refuse_partial
 
@@ -50,20 +50,25 @@ class GenerationSettings:
 class Regenerated:
     """A conversation with every assistant turn answered by the target: ``messages`` (roles system?, user,
     assistant...), ``unfinished`` (indices of answers cut by the token budget), or ``error`` when the backend
-    failed on it (then ``messages`` holds the input)."""
+    failed on it (then ``messages`` holds the input); ``thinking`` is the mode it was rendered and answered in
+    (True, False, None: the template's default; ``data.thinking_fraction``)."""
     source: str
     row: int
     messages: list[dict]
     unfinished: list[int] = field(default_factory=list)
     error: str | None = None
+    thinking: bool | None = None
 
 
 class Backend(Protocol):
-    """Answers a batch of histories (each ends with a user turn): ``(assistant turn, finished)`` or the
-    exception; the turn is ``{"role": "assistant", "content": ...}`` (and ``reasoning_content`` when kept so)."""
+    """Answers a batch of histories (each ends with a user turn), each in its thinking mode (``thinking``: one
+    per history, True / False / None for the template's default; None: all default): ``(assistant turn,
+    finished)`` or the exception; the turn is ``{"role": "assistant", "content": ...}`` (and
+    ``reasoning_content`` when kept so)."""
     name: str
 
-    def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool] | Exception]: ...
+    def answer(self, histories: list[list[dict]],
+               thinking: list[bool | None] | None = None) -> list[tuple[dict, bool] | Exception]: ...
 
 
 class Reasoning(Choice):
@@ -88,15 +93,18 @@ def resolve_reasoning(mode: Reasoning, chat_template: str | None) -> Reasoning:
             Reasoning.inline if "</think>" in template else Reasoning.drop)
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, text_or_messages) -> list[int]:
-    """Token ids of a chat (or a single user prompt) ending with the assistant generation prompt.
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text_or_messages, thinking: bool | None = None) -> list[int]:
+    """Token ids of a chat (or a single user prompt) ending with the assistant generation prompt, rendered in
+    the ``thinking`` mode (None: the template's default; False ends Qwen3's prompt with an empty ``<think>``
+    block).
 
     Raises ``ValueError`` when the tokenizer has no chat template (suggesting the fix).
     """
     check_template(tokenizer)
     messages = ([{"role": "user", "content": text_or_messages}] if isinstance(text_or_messages, str)
                 else list(text_or_messages))
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **template_kwargs(thinking))
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -106,6 +114,12 @@ def prompt_messages(tokenizer: PreTrainedTokenizerBase, prompt) -> list[dict]:
     folded into the user turn), then the user turn."""
     system = [{"role": "system", "content": prompt.system}] if prompt.system else []
     return apply_system_policy(tokenizer, system + [{"role": "user", "content": prompt.text}], "auto")
+
+
+def target_prompt_ids(tokenizer: PreTrainedTokenizerBase, prompt) -> list[int]:
+    """The token ids the target reads for an eval :class:`~draftheads.data.sources.Prompt`: its chat
+    (:func:`prompt_messages`) with the generation prompt, in the prompt's thinking mode (``prompt.thinking``)."""
+    return prompt_ids(tokenizer, prompt_messages(tokenizer, prompt), prompt.thinking)
 
 
 class TransformersBackend:
@@ -120,11 +134,13 @@ class TransformersBackend:
         self.name = f"transformers+stop{sorted(self.stop)}"  # in the cache key: another stop set, other answers
 
     @torch.inference_mode()
-    def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool]]:
+    def answer(self, histories: list[list[dict]],
+               thinking: list[bool | None] | None = None) -> list[tuple[dict, bool]]:
         refuse_partial(self.model, "regenerating answers", "regenerate them first with the whole target "
                                                            "(train/regenerate.py, or one run of the job), or set "
                                                            "data.server to a server of the target")
-        encoded = [prompt_ids(self.tokenizer, h) for h in histories]
+        modes = thinking or [None] * len(histories)
+        encoded = [prompt_ids(self.tokenizer, h, mode) for h, mode in zip(histories, modes)]
         order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
         out: list[tuple[dict, bool]] = [({}, False)] * len(encoded)
         for i, (ids, finished) in zip(order, generate_ids(self.model, self.tokenizer, [encoded[i] for i in order],
@@ -164,7 +180,8 @@ class OpenAIBackend:
     the model's ``generation_config.json`` (vLLM's default ``--generation-config auto`` does) is sent explicitly,
     so the server decodes with the settings given and nothing else. A reasoning model's ``reasoning_content``
     is kept as ``reasoning`` says (:class:`Reasoning`, resolved for the target's chat template), so the trained
-    answer and the next turn's history hold it where the template renders it."""
+    answer and the next turn's history hold it where the template renders it. A thinking mode other than the
+    template's default goes to the server's chat template as ``chat_template_kwargs`` (vLLM, SGLang)."""
 
     def __init__(self, base_url: str, model: str, settings: GenerationSettings, api_key: str = "EMPTY",
                  concurrency: int = 16, max_retries: int = 3, timeout_s: float = 600.0,
@@ -174,13 +191,15 @@ class OpenAIBackend:
         self.model, self.settings, self.concurrency, self.reasoning = model, settings, concurrency, reasoning
         self.name = f"openai+reasoning-{reasoning}"  # in the cache key: another mode, other training text
 
-    def _one(self, history: list[dict]) -> tuple[dict, bool] | Exception:
+    def _one(self, history: list[dict], thinking: bool | None = None) -> tuple[dict, bool] | Exception:
+        extra = {"top_k": self.settings.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        if thinking is not None:
+            extra["chat_template_kwargs"] = template_kwargs(thinking)
         try:
             reply = self.client.chat.completions.create(
                 model=self.model, messages=history, max_tokens=self.settings.max_new_tokens,
                 temperature=self.settings.temperature, top_p=self.settings.top_p, seed=self.settings.seed,
-                presence_penalty=0.0, frequency_penalty=0.0,
-                extra_body={"top_k": self.settings.top_k or -1, "min_p": 0.0, "repetition_penalty": 1.0})
+                presence_penalty=0.0, frequency_penalty=0.0, extra_body=extra)
             choice = reply.choices[0]
             return self._turn(choice.message.content or "", getattr(choice.message, "reasoning_content", None)), \
                 choice.finish_reason == "stop"
@@ -195,15 +214,17 @@ class OpenAIBackend:
             turn["reasoning_content"] = reasoning
         return turn
 
-    def answer(self, histories: list[list[dict]]) -> list[tuple[dict, bool] | Exception]:
+    def answer(self, histories: list[list[dict]],
+               thinking: list[bool | None] | None = None) -> list[tuple[dict, bool] | Exception]:
         with ThreadPoolExecutor(self.concurrency) as pool:
-            return list(pool.map(self._one, histories))
+            return list(pool.map(self._one, histories, thinking or [None] * len(histories)))
 
 
 def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
     """Regenerate every assistant turn of ``chats`` turn by turn: round k answers each conversation's k-th user
-    turn given the system prompt, earlier user turns and the target's own earlier answers. The dataset's own
-    assistant turns are replaced; a conversation where the backend fails is returned with ``error``."""
+    turn given the system prompt, earlier user turns and the target's own earlier answers, in the
+    conversation's thinking mode (``Chat.thinking``). The dataset's own assistant turns are replaced; a
+    conversation where the backend fails is returned with ``error``."""
     histories: list[list[dict]] = [[m for m in c.messages[:1] if m["role"] == "system"] for c in chats]
     users = [[m for m in c.messages if m["role"] == "user"] for c in chats]
     unfinished: list[list[int]] = [[] for _ in chats]
@@ -212,7 +233,10 @@ def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
         live = [i for i in range(len(chats)) if k < len(users[i]) and errors[i] is None]
         for i in live:
             histories[i].append(users[i][k])
-        for i, result in zip(live, backend.answer([histories[i] for i in live])):
+        modes = [chats[i].thinking for i in live]
+        answers = (backend.answer([histories[i] for i in live]) if all(m is None for m in modes) else
+                   backend.answer([histories[i] for i in live], modes))  # a backend without modes keeps working
+        for i, result in zip(live, answers):
             if isinstance(result, Exception):
                 errors[i] = f"turn {k}: {type(result).__name__}: {result}"
                 continue
@@ -220,17 +244,19 @@ def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
             if not finished:
                 unfinished[i].append(len(histories[i]))
             histories[i].append(turn)
-    return [Regenerated(c.source, c.row, list(c.messages), error=e) if e else
-            Regenerated(c.source, c.row, h, u) for c, h, u, e in zip(chats, histories, unfinished, errors)]
+    return [Regenerated(c.source, c.row, list(c.messages), error=e, thinking=c.thinking) if e else
+            Regenerated(c.source, c.row, h, u, thinking=c.thinking)
+            for c, h, u, e in zip(chats, histories, unfinished, errors)]
 
 
 def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, backend: str,
               chat_template: str | None) -> str:
-    """Hash of the target's identity and chat template, the conversations, the generation settings and the
-    backend."""
+    """Hash of the target's identity and chat template, the conversations (and each one's thinking mode when it
+    is not the template's default), the generation settings and the backend."""
     h = hashlib.sha256(json.dumps([model_id, asdict(settings), backend, chat_template], sort_keys=True).encode())
     for c in chats:
-        h.update(json.dumps([c.source, c.row, c.messages]).encode())
+        mode = [] if c.thinking is None else [c.thinking]  # the default's keys stay those of caches made before
+        h.update(json.dumps([c.source, c.row, c.messages, *mode]).encode())
     return h.hexdigest()[:20]
 
 

@@ -21,11 +21,13 @@ from draftheads.packaged import chitchat_conversations, package_file
 @dataclass(frozen=True)
 class Prompt:
     """One user prompt: ``text``, the conversation's ``system`` turn before it (None: none), and where it came
-    from (``source`` file or set name, 0-based ``row``)."""
+    from (``source`` file or set name, 0-based ``row``); ``thinking``: the mode the target reads it in (an eval
+    set's ``thinking``; None: the template's default rendering)."""
     source: str
     row: int
     text: str
     system: str | None = None
+    thinking: bool | None = None
 
 
 SPLITS = {"train": (0, 90), "val": (90, 95), "eval": (95, 100)}

@@ -94,7 +94,7 @@ class CacheSpec:
     """name, vocabulary size, sha256 of the chat template."""
     max_length: int
     data_sha256: str
-    """Hash of every row's token ids, in order."""
+    """Hash of every row's token ids and thinking mode, in order (:func:`~draftheads.data.batching.rows_sha256`)."""
     dtype: str
 
 

@@ -12,6 +12,11 @@ the whitespace the template puts after the end-of-turn token. Two ways to find i
   blocks). Character spans become token masks through the fast tokenizer's offsets.
 - regenerated answers keep the ids the target generated (``token_ids``): those are trained, not a re-encoding
   of their text.
+
+Reasoning targets whose template takes a thinking switch (``enable_thinking``, Qwen3) render a conversation in
+one of two modes: ``thinking`` True (the generation prompt leaves the answer to open its ``<think>`` block),
+False (the prompt ends with an empty block, ``<think>\n\n</think>\n\n``) or None (the template's default).
+Every rendering here takes that mode, so a row's loss mask starts where the target started writing in it.
 """
 
 from __future__ import annotations
@@ -44,10 +49,40 @@ def check_template(tokenizer: PreTrainedTokenizerBase) -> None:
                          "or pass one with model.chat_template=<Jinja text or a path to a file holding it>")
 
 
-def render(tokenizer: PreTrainedTokenizerBase, messages, generation_prompt: bool = False) -> str:
-    """The template's text for ``messages``. Raises :class:`TemplateRejected` with the template's message."""
+THINKING_SWITCH = "enable_thinking"
+"""The chat-template variable that turns a reasoning target's thinking on or off (Qwen3's templates)."""
+
+
+def has_thinking_switch(chat_template: str | None) -> bool:
+    """Whether the chat template reads :data:`THINKING_SWITCH`."""
+    return THINKING_SWITCH in (chat_template or "")
+
+
+def check_thinking_switch(tokenizer: PreTrainedTokenizerBase, key: str) -> None:
+    """Raises ``ValueError`` naming config ``key`` when the tokenizer's chat template has no thinking switch (a
+    mode asked of a template that renders one way only)."""
+    if not has_thinking_switch(tokenizer.chat_template):
+        raise ValueError(f"{key}: the chat template of {tokenizer.name_or_path!r} has no thinking switch "
+                         f"({THINKING_SWITCH}), so it renders one way only: leave {key} unset (null) for this "
+                         "target, or pass a template that has one (model.chat_template)")
+
+
+THINKING_LABELS = {True: "thinking", False: "no_thinking"}
+"""How reports name the two modes: data report counts, eval sets measured per mode (``<set>[thinking]``)."""
+
+
+def template_kwargs(thinking: bool | None) -> dict:
+    """The chat template's extra variables for a thinking mode: ``{}`` for the template's default (None)."""
+    return {} if thinking is None else {THINKING_SWITCH: bool(thinking)}
+
+
+def render(tokenizer: PreTrainedTokenizerBase, messages, generation_prompt: bool = False,
+           thinking: bool | None = None) -> str:
+    """The template's text for ``messages`` in a thinking mode (None: the template's default). Raises
+    :class:`TemplateRejected` with the template's message."""
     try:
-        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=generation_prompt,
+                                             **template_kwargs(thinking))
     except RENDER_ERRORS as e:
         raise TemplateRejected(f"the chat template rejected the conversation: {e}") from None
 
@@ -115,18 +150,23 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config=None) -
     return frozenset(stop | ({turn_end} if turn_end is not None else set()))
 
 
-def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], full: str) -> list[tuple[int, int, int]]:
+def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], full: str,
+                    thinking: bool | None = None) -> list[tuple[int, int, int]]:
     """``(start, end, end_marker_chars)`` character spans of each assistant turn in ``full`` (the rendering of
-    ``messages``): from the end of its generation prompt through the first end-of-turn token after it
-    (:func:`end_of_turn_token`), or, for a template that ends turns with no special token, through the turn's own
-    rendering less trailing whitespace. Raises :class:`TemplateRejected` when the rendering of earlier turns is
-    not a prefix of ``full`` (the diff would be meaningless) or a turn has no end-of-turn token after it."""
+    ``messages`` in the ``thinking`` mode): from the end of its generation prompt through the first end-of-turn
+    token after it (:func:`end_of_turn_token`), or, for a template that ends turns with no special token, through
+    the turn's own rendering less trailing whitespace. An earlier turn the template renders without the mode's
+    prompt (Qwen3 drops earlier turns' ``<think>`` blocks, the empty one of thinking off too) starts after the
+    default generation prompt. Raises :class:`TemplateRejected` when the rendering of earlier turns is not a
+    prefix of ``full`` (the diff would be meaningless) or a turn has no end-of-turn token after it."""
     marker = _turn_end(tokenizer, tokenizer.chat_template)
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], generation_prompt=True)
+        before = render(tokenizer, messages[:i], generation_prompt=True, thinking=thinking)
+        if not full.startswith(before) and thinking is not None:
+            before = render(tokenizer, messages[:i], generation_prompt=True)
         if not full.startswith(before):
             raise TemplateRejected(f"assistant turn {i}: the template renders earlier turns differently once this "
                                    "turn follows; cannot locate its tokens")
@@ -136,7 +176,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], fu
                 raise TemplateRejected(f"assistant turn {i}: no end-of-turn token {marker!r} after it")
             spans.append((len(before), end + len(marker), len(marker)))
             continue
-        through = render(tokenizer, messages[:i + 1]).rstrip()
+        through = render(tokenizer, messages[:i + 1], thinking=thinking).rstrip()
         if not through.startswith(before) or not full.startswith(through):
             raise TemplateRejected(f"assistant turn {i}: rendered differently when later turns follow and no "
                                    "end-of-turn token to find it by")
@@ -145,7 +185,7 @@ def assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: list[dict], fu
 
 
 def chat_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], train_on: str = "all",
-                unfinished: frozenset[int] = frozenset()) -> tuple[list[int], list[bool]]:
+                unfinished: frozenset[int] = frozenset(), thinking: bool | None = None) -> tuple[list[int], list[bool]]:
     """``(input_ids, loss_mask)`` of a conversation rendered by the tokenizer's chat template.
 
     Args:
@@ -153,6 +193,8 @@ def chat_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], train_
         train_on: ``all`` assistant turns or the ``last`` one.
         unfinished: indices (into ``messages``) of assistant turns cut by a token budget: their end-of-turn
             token, which the target never produced, is not trained on.
+        thinking: the rendering mode (see the module docstring; None: the template's default): with thinking
+            off, the empty ``<think>`` block the prompt ends with is context, not trained.
     Returns:
         ids and mask of equal length; the mask is True on assistant tokens (text + end-of-turn token).
     Raises:
@@ -166,9 +208,9 @@ def chat_tokens(tokenizer: PreTrainedTokenizerBase, messages: list[dict], train_
     try:
         if not GENERATION_MARKER.search(tokenizer.chat_template):
             raise TemplateRejected("no generation markers")
-        ids, runs = _marked_turns(tokenizer, messages, len(assistant))
+        ids, runs = _marked_turns(tokenizer, messages, len(assistant), thinking)
     except TemplateRejected:  # no markers, or markers that miss a turn (an empty answer): diff the renderings
-        ids, runs = _diffed_turns(tokenizer, messages)
+        ids, runs = _diffed_turns(tokenizer, messages, thinking)
     ids, runs = _as_generated(tokenizer, messages, assistant, ids, runs)
     keep = [(a, b - cut if i in unfinished else b) for i, (a, b, cut) in zip(assistant, runs)]
     keep = keep[-1:] if train_on == "last" else keep
@@ -202,7 +244,8 @@ def _as_generated(tokenizer, messages: list[dict], assistant: list[int], ids: li
 GENERATION_MARKER = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def _marked_turns(tokenizer, messages: list[dict], n_turns: int) -> tuple[list[int], list[tuple[int, int, int]]]:
+def _marked_turns(tokenizer, messages: list[dict], n_turns: int,
+                  thinking: bool | None = None) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Token runs ``(start, end, end-of-turn tokens)`` of the assistant turns from the template's generation
     markers (transformers' ``return_assistant_tokens_mask``), each made the assistant's tokens plus exactly one
     end-of-turn token whatever the markers enclose: what follows that token inside them (a newline) is cut, and
@@ -211,7 +254,7 @@ def _marked_turns(tokenizer, messages: list[dict], n_turns: int) -> tuple[list[i
     markers enclose nothing)."""
     try:
         out = tokenizer.apply_chat_template(list(messages), tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
+                                            return_assistant_tokens_mask=True, **template_kwargs(thinking))
     except RENDER_ERRORS as e:
         raise TemplateRejected(f"the chat template rejected the conversation: {e}") from None
     ids, marks = list(out["input_ids"]), list(out["assistant_masks"])
@@ -231,14 +274,15 @@ def _marked_turns(tokenizer, messages: list[dict], n_turns: int) -> tuple[list[i
     return ids, runs
 
 
-def _diffed_turns(tokenizer, messages: list[dict]) -> tuple[list[int], list[tuple[int, int, int]]]:
+def _diffed_turns(tokenizer, messages: list[dict],
+                  thinking: bool | None = None) -> tuple[list[int], list[tuple[int, int, int]]]:
     """Token runs of the assistant turns from :func:`assistant_spans`: a token belongs to a turn when it starts
     inside the turn's characters."""
-    full = render(tokenizer, messages)
+    full = render(tokenizer, messages, thinking=thinking)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     starts = [s for s, _ in enc["offset_mapping"]]
     runs = []
-    for s, e, marker in assistant_spans(tokenizer, messages, full):
+    for s, e, marker in assistant_spans(tokenizer, messages, full, thinking):
         a = bisect.bisect_left(starts, s)
         b = bisect.bisect_left(starts, e)
         runs.append((a, b, int(marker > 0)))

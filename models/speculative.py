@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -122,6 +122,9 @@ class DecodeResult:
     accepted_per_step: list[int] = field(default_factory=list)
     """Per verification step: draft tokens accepted (0..gamma), counted by the verification itself, before the
     token budget or a stop token cuts what is emitted (as vLLM's rejection sampler and EAGLE count)."""
+    verified_per_step: list[int] = field(default_factory=list)
+    """Per verification step: draft positions the target verified (gamma with fixed-length verification, fewer
+    where the method chooses how many to verify: DSpark's adaptive verification)."""
     emitted_per_step: list[int] = field(default_factory=list)
     """Per verification step: tokens emitted (accepted + bonus, cut at EOS or the token budget)."""
     context_per_step: list[int] = field(default_factory=list)
@@ -241,13 +244,18 @@ def plain_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_new_toke
 @torch.inference_mode()
 def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_ids: torch.Tensor,
                        max_new_tokens: int, stop: Collection[int], sampling: Sampling = Sampling(),
-                       generator: torch.Generator | None = None) -> DecodeResult:
+                       generator: torch.Generator | None = None,
+                       verify: Callable[[int], int] | None = None) -> DecodeResult:
     """Chain draft-then-verify decoding; the KV cache keeps only accepted tokens.
 
     Args:
         prompt_ids: ``[P]`` int64 on the target's device.
         stop: the target's stop set, as for :func:`plain_decode`.
         generator: CPU random generator for draft sampling and acceptance (seeded by the caller).
+        verify: given a step's g drafts, how many of them (a prefix, 0..g) the target verifies (default all:
+            fixed-length verification); called after drafting, before the target sees the drafts. Lossless when
+            the count depends on nothing the verification draws (the drafter's own state: DSpark's confidence
+            head, :mod:`draftheads.drafters.dspark.adaptive`); a count outside 0..g raises ``ValueError``.
     Returns:
         a :class:`DecodeResult`; greedy ``tokens`` equal :func:`plain_decode`'s up to floating-point ties,
         sampled ``tokens`` follow the same distribution.
@@ -265,6 +273,11 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     while not done:
         t = time.perf_counter()
         draft, q = propose(drafter.draft_logits(hidden, x0, features, committed).float().cpu(), sampling, generator)
+        if verify is not None:
+            b = verify(len(draft))
+            if not 0 <= b <= len(draft):
+                raise ValueError(f"verify chose {b} of {len(draft)} drafts to verify (0..{len(draft)})")
+            draft, q = draft[:b], None if q is None else q[:b]
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
         ids = torch.cat([prompt_ids.new_tensor([x0]), draft.to(prompt_ids.device)])
@@ -280,6 +293,7 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
         before = len(result.tokens)
         result.tokens, done = cut_at_stop(result.tokens + emitted, max_new_tokens, stop)
         result.accepted_per_step.append(n)
+        result.verified_per_step.append(len(draft))
         result.emitted_per_step.append(len(result.tokens) - before)
         result.context_per_step.append(len(prompt_ids) + before)
         hidden, x0 = states[n], next_token

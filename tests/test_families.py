@@ -36,11 +36,6 @@ TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>"
 OWN_OVERRIDES = {("mistral", "dflash"): ["dflash.mask_token_id=0"], ("mistral", "dspark"): ["dspark.mask_token_id=0"]}
 """Mistral v0.1's tokenizer has no spare special token for DFlash's (and DSpark's) mask: <unk> (id 0), which it
 never generates."""
-DRAFTER_OWN = {"medusa": ["stage1.epochs=2", "stage2.epochs=1", "stage2.unfreeze_last_n_layers=1"],
-               "dflash": ["train.epochs=2", "eval.peer_runs=[]"],
-               "eagle3": ["train.epochs=2", "eval.peer_runs=[]", "eagle3.ttt_steps=3", "eagle3.gamma=3"],
-               "dspark": ["train.epochs=2", "eval.peer_runs=[]"]}
-"""Each registered drafter's own overrides of the smoke job, for a few steps on every family."""
 JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_tokens=24",
        "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}, {name: humaneval, source: humaneval, "
        "num_prompts: 1}]"]
@@ -50,8 +45,7 @@ def test_every_family_is_in_the_suite():
     assert TURN_END.keys() == FAMILIES.keys()
 
 
-def test_every_registered_drafter_is_in_the_suite():
-    assert DRAFTER_OWN.keys() == drafters.DRAFTERS.keys()
+def test_the_family_overrides_name_registered_drafters_and_families():
     assert {drafter for _, drafter in OWN_OVERRIDES} <= drafters.DRAFTERS.keys()
     assert {family for family, _ in OWN_OVERRIDES} <= FAMILIES.keys()
 
@@ -181,14 +175,14 @@ def test_regeneration_is_the_plain_greedy_answer_through_the_first_stop(family):
 
 @pytest.fixture(scope="module")
 def jobs(family, tmp_path_factory, cache_dir):
-    """Every registered drafter's job (Medusa's both stages) on one family's target: ``{drafter: (folder,
-    report)}``."""
+    """Every registered drafter's job, made short by its recipe (``Recipe.short``: every stage, Medusa's second
+    too), on one family's target: ``{drafter: (folder, report)}``."""
     name = family[0]
     out = {}
     for drafter in sorted(drafters.DRAFTERS):
         folder = tmp_path_factory.mktemp(f"{name}-{drafter}")
         out[drafter] = folder, train(drafter, smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}",
-                                                    *JOB, *DRAFTER_OWN[drafter],
+                                                    *JOB, *drafters.get(drafter).short,
                                                     *OWN_OVERRIDES.get((name, drafter), [])))
     return out
 

@@ -11,11 +11,15 @@ CONTEXT_BUCKETS = (0, 256, 512, 1024, 2048, 4096, 8192)
 """Default ``eval.context_buckets``: edges in tokens; the last bucket holds every longer context."""
 
 
-def acceptance_rates(accepted: Sequence[int], gamma: int) -> tuple[list[float], list[float]]:
+def acceptance_rates(accepted: Sequence[int], gamma: int,
+                     verified: Sequence[int] | None = None) -> tuple[list[float], list[float]]:
     """Conditional and cumulative acceptance per draft position, from drafts accepted per step:
-    alpha_i = P(draft i accepted | drafts < i accepted), and P(drafts 1..i all accepted) over all steps."""
+    alpha_i = P(draft i accepted | drafts < i accepted and draft i verified), and P(drafts 1..i all accepted) over
+    all steps. ``verified``: draft positions verified per step (default gamma each: fixed-length verification); a
+    step that verified fewer than i drafts does not count toward alpha_i (it never tried draft i)."""
     steps = max(len(accepted), 1)
-    attempted = [sum(n >= i for n in accepted) for i in range(gamma)]
+    verified = [gamma] * len(accepted) if verified is None else verified
+    attempted = [sum(n >= i and v > i for n, v in zip(accepted, verified)) for i in range(gamma)]
     passed = [sum(n >= i + 1 for n in accepted) for i in range(gamma)]
     return [p / a if a else 0.0 for p, a in zip(passed, attempted)], [p / steps for p in passed]
 
@@ -33,20 +37,21 @@ def by_context_length(results: list, gamma: int, edges: Sequence[int] = CONTEXT_
     ``tokens_per_step``, ``acceptance_rate_per_position``, ``cumulative_acceptance_per_position``. The buckets'
     steps, accepted and emitted sum to the set's. None for a method that records no step contexts (prompt
     lookup: transformers' ``generate`` reports no steps)."""
-    steps = [(c, n, e) for r in results
-             for c, n, e in zip(r.context_per_step, r.accepted_per_step, r.emitted_per_step)]
+    steps = [(c, n, e, v) for r in results
+             for c, n, e, v in zip(r.context_per_step, r.accepted_per_step, r.emitted_per_step,
+                                   r.verified_per_step or [gamma] * len(r.accepted_per_step))]
     if not steps or any(len(r.context_per_step) != len(r.accepted_per_step) for r in results):
         return None
     buckets = []
     for lo, hi in zip(edges, [*edges[1:], None]):
-        inside = [(n, e) for c, n, e in steps if c >= lo and (hi is None or c < hi)]
+        inside = [(n, e, v) for c, n, e, v in steps if c >= lo and (hi is None or c < hi)]
         if not inside:
             continue
-        accepted = [n for n, _ in inside]
-        alpha, cumulative = acceptance_rates(accepted, gamma)
+        accepted = [n for n, _, _ in inside]
+        alpha, cumulative = acceptance_rates(accepted, gamma, [v for _, _, v in inside])
         buckets.append({"context_tokens": [lo, hi], "steps": len(inside), "accepted": sum(accepted),
-                        "emitted": sum(e for _, e in inside), "acceptance_length": 1 + sum(accepted) / len(inside),
-                        "tokens_per_step": sum(e for _, e in inside) / len(inside),
+                        "emitted": sum(e for _, e, _ in inside), "acceptance_length": 1 + sum(accepted) / len(inside),
+                        "tokens_per_step": sum(e for _, e, _ in inside) / len(inside),
                         "acceptance_rate_per_position": alpha, "cumulative_acceptance_per_position": cumulative})
     return buckets
 
@@ -82,11 +87,12 @@ def format_context_table(rows: list[tuple[str, str, list[dict]]]) -> str:
     rows += pooled(rows)
     labels = sorted({(b["context_tokens"][0], bucket_label(b)) for _, _, bs in rows for b in bs})
     columns = [label for _, label in labels]
-    head = f"{'tau by context (steps)':<37}" + "".join(f"{c:>14}" for c in columns)
+    w = max([16, *(len(name) + 2 for name, _, _ in rows)])  # per-mode sets are long: chitchat[no_thinking]
+    head = f"{'tau by context (steps)':<{w + 21}}" + "".join(f"{c:>14}" for c in columns)
     lines = [head, "-" * len(head)]
     for name, method, buckets in rows:
         cells = {bucket_label(b): f"{b['acceptance_length']:.2f} ({b['steps']})" for b in buckets}
-        lines.append(f"{name:<16}{method:<21}" + "".join(f"{cells.get(c, '-'):>14}" for c in columns))
+        lines.append(f"{name:<{w}}{method:<21}" + "".join(f"{cells.get(c, '-'):>14}" for c in columns))
     return "\n".join(lines)
 
 

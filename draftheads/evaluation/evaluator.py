@@ -10,6 +10,8 @@ Definitions (as in the Medusa/EAGLE papers and vLLM/SGLang metrics):
 - ``acceptance_rate_per_position[i]``: P(draft i accepted | drafts < i accepted) (EAGLE's n-alpha);
 - ``cumulative_acceptance_per_position[i]``: P(drafts 0..i all accepted), unconditional (vLLM's per-position
   acceptance: accepted at position i / drafts);
+- ``verified_drafts_per_step``: draft positions the target verified per step (gamma, or fewer where a method
+  chooses: DSpark's adaptive verification); ``accepted_per_verified_draft``: accepted / verified drafts;
 - ``speedup``: speculative tokens/s over plain decoding's tokens/s, same prompts, same process, interleaved,
   every method warmed up first; tokens/s include the prefill, ``decode_ms_per_token`` leaves it out;
 - ``by_context_length``: tau and acceptance per position over the steps in each context-length bucket
@@ -21,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,8 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from draftheads.data.conversations import first_user_prompts, long_prompts, prompt_pieces
-from draftheads.data.regenerate import prompt_ids, prompt_messages
-from draftheads.data.templates import stop_token_ids
+from draftheads.data.regenerate import prompt_ids, target_prompt_ids
+from draftheads.data.templates import THINKING_LABELS, check_thinking_switch, stop_token_ids
 from draftheads.evaluation.context import (CONTEXT_BUCKETS, acceptance_rates, bucket_label, by_context_length,
                                            format_context_table, plot_by_context)
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
@@ -42,17 +45,35 @@ NOTES = ("acceptance_length (tau) = 1 + drafts accepted per verification step, c
 """:data:`NOTES` go into every report beside the numbers they define."""
 
 
-def eval_prompts(set_cfg, tokenizer=None) -> list:
-    """Held-out prompts of one eval set (chitchat's eval split never overlaps training); with
-    ``min_prompt_tokens``, long ones joined from the source's pieces until ``tokenizer`` counts that many tokens
-    in the prompt the target reads. Raises ``ValueError`` for such a set without a tokenizer."""
+def eval_modes(set_cfg, tokenizer=None) -> list[tuple[str, bool | None]]:
+    """``(report name, thinking mode)`` per measurement of one eval set (its ``thinking``): ``[(name, None)]``
+    for the template's default rendering, ``[(name, True)]`` / ``[(name, False)]`` for one mode, and
+    ``[(name[thinking], True), (name[no_thinking], False)]`` for both. Raises ``ValueError`` for a mode asked
+    without a tokenizer or of a chat template with no thinking switch."""
+    if set_cfg.thinking is None:
+        return [(set_cfg.name, None)]
+    key = f"eval set {set_cfg.name!r}: thinking={set_cfg.thinking}"
+    if tokenizer is None:
+        raise ValueError(f"{key} renders the target's chat template, and no tokenizer was given")
+    check_thinking_switch(tokenizer, key)
+    if set_cfg.thinking == "both":
+        return [(f"{set_cfg.name}[{THINKING_LABELS[mode]}]", mode) for mode in (True, False)]
+    return [(set_cfg.name, bool(set_cfg.thinking))]
+
+
+def eval_prompts(set_cfg, tokenizer=None, thinking: bool | None = None) -> list:
+    """Held-out prompts of one eval set (chitchat's eval split never overlaps training), each to be read in the
+    ``thinking`` mode (``Prompt.thinking``; None: the template's default); with ``min_prompt_tokens``, long
+    ones joined from the source's pieces until ``tokenizer`` counts that many tokens in the prompt the target
+    reads. Raises ``ValueError`` for such a set without a tokenizer."""
     if not set_cfg.min_prompt_tokens:
-        return first_user_prompts(set_cfg, "eval", set_cfg.num_prompts)
+        return [replace(p, thinking=thinking) for p in first_user_prompts(set_cfg, "eval", set_cfg.num_prompts)]
     if tokenizer is None:
         raise ValueError(f"eval set {set_cfg.name!r}: min_prompt_tokens counts the target's tokens, and no tokenizer "
                          f"was given")
-    return long_prompts(prompt_pieces(set_cfg, "eval"), set_cfg.num_prompts, set_cfg.min_prompt_tokens,
-                        lambda p: len(prompt_ids(tokenizer, prompt_messages(tokenizer, p))))
+    prompts = long_prompts(prompt_pieces(set_cfg, "eval"), set_cfg.num_prompts, set_cfg.min_prompt_tokens,
+                           lambda p: len(target_prompt_ids(tokenizer, replace(p, thinking=thinking))))
+    return [replace(p, thinking=thinking) for p in prompts]
 
 
 def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_new_tokens: int,
@@ -82,7 +103,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     plain, spec, mismatches = [], [], []
     others: dict[str, list[DecodeResult]] = {name: [] for name in peers}
     for p in tqdm(prompts, desc=desc, unit="prompt"):
-        ids = torch.tensor(prompt_ids(tokenizer, prompt_messages(tokenizer, p)), device=device)
+        ids = torch.tensor(target_prompt_ids(tokenizer, p), device=device)
         plain.append(plain_decode(target, ids, max_new_tokens, stop, sampling, generator))
         spec.append(speculative_decode(target, drafter, ids, max_new_tokens, stop, sampling, generator))
         for name, decode in peers.items():
@@ -98,6 +119,8 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
         for m in [metrics, *metrics.get("peers", {}).values()]:
             m["greedy_match"] = None
     metrics["method"] = drafter.name
+    modes = {p.thinking for p in prompts}
+    metrics["thinking"] = modes.pop() if len(modes) == 1 else None  # the rendering measured (None: the default)
     metrics["sampling"] = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
                            "proposal": sampling.proposal}
     metrics["decoding"] = {"stop_token_ids": sorted(stop), "generation_defaults": str(defaults),
@@ -109,15 +132,23 @@ def acceptance(results: list[DecodeResult], gamma: int, context_buckets: tuple[i
     """tau, tokens per step and per-position acceptance of a method that reports its verification steps (see
     the module's definitions), and the same per context-length bucket (``by_context_length``: the buckets of
     ``context_buckets`` that hold steps); a method that does not (transformers' prompt lookup) gets tokens per
-    target forward for both, every forward of its ``generate`` verifying drafts, the prefill's included."""
+    target forward for both, every forward of its ``generate`` verifying drafts, the prefill's included. A
+    method that records the drafts it verified per step (chain decoding) also gets ``verified_drafts_per_step``
+    (gamma under fixed-length verification, fewer under adaptive verification) and ``accepted_per_verified_draft``
+    (accepted / verified drafts: the share of verification work that was kept)."""
     if not any(r.accepted_per_step for r in results):
         per_forward = sum(len(r.tokens) for r in results) / max(sum(r.target_forwards for r in results), 1)
         return {"acceptance_length": per_forward, "tokens_per_step": per_forward}
     accepted = [n for r in results for n in r.accepted_per_step]
-    alpha, cumulative = acceptance_rates(accepted, gamma)
+    verified = [v for r in results for v in r.verified_per_step] if all(
+        len(r.verified_per_step) == len(r.accepted_per_step) for r in results) else None
+    alpha, cumulative = acceptance_rates(accepted, gamma, verified)
     out = {"acceptance_length": 1 + sum(accepted) / len(accepted),
            "tokens_per_step": sum(n for r in results for n in r.emitted_per_step) / len(accepted),
            "acceptance_rate_per_position": alpha, "cumulative_acceptance_per_position": cumulative}
+    if verified is not None:  # what the target's verification forwards cost beside what they gave
+        out |= {"verified_drafts_per_step": sum(verified) / len(verified),
+                "accepted_per_verified_draft": sum(accepted) / max(sum(verified), 1)}
     buckets = by_context_length(results, gamma, context_buckets)
     return out if buckets is None else {**out, "by_context_length": buckets}
 
@@ -207,7 +238,8 @@ def hardware() -> dict:
 
 def format_table(sets: dict) -> str:
     """A terminal table: per eval set, the drafter under test and any peer measured beside it."""
-    head = (f"{'set':<16}{'method':<21}{'tau':>6}{'alpha per position':>30}{'tok/s':>8}{'AR tok/s':>10}"
+    w = max([16, *(len(name) + 2 for name in sets)])  # per-mode sets are long: chitchat[no_thinking]
+    head = (f"{'set':<{w}}{'method':<21}{'tau':>6}{'alpha per position':>30}{'tok/s':>8}{'AR tok/s':>10}"
             f"{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
@@ -216,7 +248,7 @@ def format_table(sets: dict) -> str:
                  for peer, p in m.get("peers", {}).items()]
         for method, r, alphas, tps in rows:
             match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
-            lines.append(f"{name:<16}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>30}{tps:>8.1f}"
+            lines.append(f"{name:<{w}}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>30}{tps:>8.1f}"
                          f"{m['tokens_per_second']['baseline']:>10.1f}{r['speedup']:>9.2f}{match:>14}")
     by_context = format_context_table(_context_rows(sets))
     return "\n".join(lines) + (f"\n\n{by_context}" if by_context else "")

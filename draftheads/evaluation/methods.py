@@ -6,22 +6,31 @@ from __future__ import annotations
 from typing import Callable
 
 from draftheads.data.templates import stop_token_ids
-from draftheads.evaluation.evaluator import eval_prompts, evaluate_set
+from draftheads.evaluation.evaluator import eval_modes, eval_prompts, evaluate_set
 from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.speculative import Sampling, prompt_lookup_decode
 
 
 def load_eval_sets(eval_cfg, tokenizer=None) -> dict[str, list]:
-    """Each eval set's held-out prompts; a set with ``min_prompt_tokens`` counts them with the target's
-    ``tokenizer`` (:func:`~draftheads.evaluation.evaluator.eval_prompts`). Raises ``ValueError`` for no set
-    (evaluation enabled), an empty set, ``max_new_tokens`` < 1 or a long set without a tokenizer, and the
-    source's own error (file, line, field) for a malformed file."""
+    """Each eval set's held-out prompts by report name; a set with ``min_prompt_tokens`` counts them with the
+    target's ``tokenizer`` (:func:`~draftheads.evaluation.evaluator.eval_prompts`). A set with ``thinking:
+    both`` gives two entries, ``<name>[thinking]`` and ``<name>[no_thinking]``, the same prompts read in each
+    mode (:func:`~draftheads.evaluation.evaluator.eval_modes`). Raises ``ValueError`` for no set (evaluation
+    enabled), an empty set, two sets of one name, ``max_new_tokens`` < 1, a long set or a thinking mode without
+    a tokenizer, a thinking mode for a template with no thinking switch, and the source's own error (file, line,
+    field) for a malformed file."""
     if eval_cfg.max_new_tokens < 1:
         raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
     if eval_cfg.enabled and not eval_cfg.sets:
         raise ValueError("eval.sets=[]: no eval set to measure; name one (eval.sets=[{name: chitchat, source: "
                          "chitchat, num_prompts: 16}]) or set eval.enabled=false")
-    sets = {s.name: eval_prompts(s, tokenizer) for s in eval_cfg.sets} if eval_cfg.enabled else {}
+    modes = [(s, name, mode) for s in (eval_cfg.sets if eval_cfg.enabled else [])
+             for name, mode in eval_modes(s, tokenizer)]
+    names = [name for _, name, _ in modes]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"eval.sets: two sets report under one name {twice}: give each its own name")
+    sets = {name: eval_prompts(s, tokenizer, mode) for s, name, mode in modes}
     for name, prompts in sets.items():
         if not prompts:
             raise ValueError(f"eval set {name!r} has no prompts (num_prompts >= 1 and a non-empty source needed)")

@@ -80,6 +80,9 @@ class Cell:
     """The serve command (a template, run from the run's folder); empty where it does not load."""
     note: str = ""
     """What else holds (a target family it cannot serve, a setting it reads otherwise)."""
+    cpu: bool = True
+    """The server's CPU build runs it too; False: its GPU build only (the serving preflight's ``auto`` skips it on a
+    machine without a GPU instead of starting an engine that refuses the export)."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from draftheads import drafters
-from draftheads.data.regenerate import prompt_ids, prompt_messages
+from draftheads.data.regenerate import target_prompt_ids
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
 from draftheads.evaluation.methods import load_eval_sets
@@ -72,7 +72,7 @@ def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
     tokenizer = run.tokenizer
     return {name: evaluate_in_vllm(python, run.target_path, spec,
-                                   [prompt_ids(tokenizer, prompt_messages(tokenizer, p)) for p in prompts],
+                                   [target_prompt_ids(tokenizer, p) for p in prompts],
                                    conf.eval.max_new_tokens, stop, {"dtype": conf.model.dtype, **conf.vllm.engine()})
             for name, prompts in load_eval_sets(conf.eval, tokenizer).items()}
 

@@ -7,8 +7,8 @@ from dataclasses import replace
 from pathlib import Path
 
 from draftheads import drafters
-from draftheads.data.regenerate import prompt_ids, prompt_messages
-from draftheads.data.templates import stop_token_ids
+from draftheads.data.regenerate import prompt_messages, target_prompt_ids
+from draftheads.data.templates import stop_token_ids, template_kwargs
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
 from draftheads.evaluation.vllm_env import VLLM
@@ -31,12 +31,13 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     rows = []
     for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True), tokenizer).items():
         chats = [prompt_messages(tokenizer, p) for p in prompts]
-        ids = [prompt_ids(tokenizer, chat) for chat in chats]
+        ids = [target_prompt_ids(tokenizer, p) for p in prompts]  # in the set's thinking mode
         ours = our_side(run.target, tokenizer, drafter, ids, eval_cfg.max_new_tokens)
         job = {"target": str(run.target_path), "speculative_config": spec, "prompts": ids, "max_tokens":
                eval_cfg.max_new_tokens, "messages": chats,
                "port": 8011, "stop_token_ids": sorted(stop_token_ids(tokenizer, run.target.generation_config)),
-               "chat_template": tokenizer.chat_template}
+               "chat_template": tokenizer.chat_template,
+               "chat_template_kwargs": template_kwargs(prompts[0].thinking) or None}  # served in the set's mode
         rows.append({"mode": "offline", **compare(name, ours, run_vllm(python, {**job, "mode": "offline"}))})
         if serve:
             served = run_vllm(python, {**job, "mode": "serve"})

@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from draftheads.data.batching import DataReport
-from draftheads.data.pipeline import make_backend, read_chats
+from draftheads.data.pipeline import make_backend, read_chats, with_thinking
 from draftheads.data.regenerate import cache_key, regenerate
 from draftheads.models.target import load_generation_config, load_target, load_tokenizer
 from draftheads.training.config import RegenerateConfig, apply_generation_defaults, to_schema
@@ -28,7 +28,8 @@ def regenerate_data(cfg: DictConfig) -> dict[str, int]:
     tokenized = [c for c in chats if c.tokens is not None]
     for c in tokenized:
         report.skip("tokenized_row", f"{c.where}: pre-tokenised rows cannot be regenerated")
-    chats = [c for c in chats if c.tokens is None]
+    chats = with_thinking([c for c in chats if c.tokens is None], conf.data.thinking_fraction,
+                          conf.data.generation.seed, tokenizer)  # each row's mode, written with it
     backend = make_backend(conf.data, target, tokenizer)
     reused = claim_output(conf, chats, backend.name, tokenizer.chat_template)
     results = regenerate(backend, chats, conf.data.generation.batch_size, conf.output)

@@ -1,6 +1,7 @@
 """A training job for any registered drafter, and the one end of run they all share.
 
     open the job (config, accelerator, target, eval sets, the recipe's checks, resume point, peer runs)
+    -> the serving preflight (vLLM reads the untrained export as meant)
     -> self-distilled rows and target states -> the recipe's stages on the spine
     -> rank 0: validate, save, export -> report.json (atomic) -> evaluate -> report.json again
 
@@ -19,6 +20,7 @@ from omegaconf import DictConfig
 
 from draftheads import drafters
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
+from draftheads.jobs.preflight import serving_preflight
 from draftheads.jobs.runs import evaluate_drafter, load_peer_runs
 from draftheads.models.target import resolve_target_path
 from draftheads.training.config import TargetStates
@@ -40,13 +42,15 @@ def train(name: str, cfg: DictConfig) -> dict:
     if job.accelerator.is_main_process and not job.conf.resume:
         write_report({"drafter": recipe.name, "finished": [],
                       "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
+    preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
+    job.accelerator.wait_for_everyone()
     train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
                                                  attach=job.conf.data.target_states != TargetStates.online,
                                                  unusable=recipe.unusable)
     trained = recipe.train(job, train_rows)
     report = {}
     if job.accelerator.is_main_process:
-        report = finish_run(job, recipe, trained, val_rows, {"data": data_report.as_dict(),
+        report = finish_run(job, recipe, trained, val_rows, {"preflight": preflight, "data": data_report.as_dict(),
                                                              "train_curves": trained.curves})
     return close_job(job, report)
 
@@ -80,6 +84,7 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
     report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
               "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
               "dtype": conf.model.dtype, "resumed_from": str(job.resume[0]) if job.resume else None,
+              "init_from": trained.init_from,
               "validation": val, **extra, "notes": NOTES}
     report |= recipe.save(job, trained)
     report["finished"] = ["training", "validation", "save"]

@@ -22,6 +22,7 @@ from draftheads.evaluation.context import CONTEXT_BUCKETS
 from draftheads.models.decoding import GenerationDefaults, target_sampling
 from draftheads.models.speculative import Proposal, Sampling
 from draftheads.models.target import TargetSpec
+from draftheads.training.objectives import Objective
 
 
 class Format(Choice):
@@ -175,10 +176,19 @@ class DataConfig(PromptSource):
     """A reasoning model's reasoning text that ``data.server`` returns apart from the answer: auto (kept where
     the chat template renders it: reasoning_content when it reads that, inline <think> blocks when it parses
     them, else dropped), inline, field (reasoning_content), drop."""
+    thinking_fraction: float | None = None
+    """For a reasoning target whose chat template has a thinking switch (``enable_thinking``, Qwen3): the share
+    of rows, in [0, 1], rendered, answered and trained with thinking on; the others have it off (their prompt
+    ends with the template's empty ``<think>`` block). Which rows is fixed per row by ``data.generation.seed``
+    (training and validation rows each get the share). null: every row in the template's default rendering. A
+    template with no switch is refused. See docs/data.md, "Reasoning modes"."""
 
     def __post_init__(self):
         if self.target_batch_size < 1:
             raise ValueError(f"data.target_batch_size={self.target_batch_size} must be >= 1")
+        if self.thinking_fraction is not None and not 0 <= self.thinking_fraction <= 1:
+            raise ValueError(f"data.thinking_fraction={self.thinking_fraction} must be in [0, 1] (or null: the "
+                             "template's default rendering)")
 
 
 @dataclass
@@ -195,10 +205,19 @@ class EvalSetConfig(PromptSource):
     separated by a blank line, until the prompt the target reads (chat template applied) holds at least this
     many of its tokens (``{name: long_chitchat, source: chitchat, min_prompt_tokens: 2048}``;
     :func:`~draftheads.data.conversations.long_prompts`). Keep it under the target's context length."""
+    thinking: Any = None
+    """For a chat template with a thinking switch (``enable_thinking``, Qwen3): the mode the prompts are rendered
+    in: true, false, or both (measured once per mode, reported as two sets, ``<name>[thinking]`` and
+    ``<name>[no_thinking]``); null: the template's default rendering, under the set's own name. A template with
+    no switch is refused. (Typed Any: YAML's true/false are booleans, and a structured field cannot be a
+    boolean or a word.)"""
 
     def __post_init__(self):
         if self.min_prompt_tokens < 0:
             raise ValueError(f"eval set {self.name!r}: min_prompt_tokens={self.min_prompt_tokens} must be >= 0")
+        if self.thinking not in (None, True, False, "both"):
+            raise ValueError(f"eval set {self.name!r}: thinking={self.thinking!r} must be true, false, both or null "
+                             "(the template's default)")
 
 
 @dataclass
@@ -344,9 +363,11 @@ class TargetBackend(Choice):
 
 @dataclass
 class VllmEngineConfig:
-    """vLLM as the target's engine (``target_backend=vllm``)."""
+    """vLLM as the target's engine (``target_backend=vllm``) and as the serving preflight's server
+    (``serving.preflight``)."""
     venv: str | None = None
-    """vLLM's environment, made on first use (default ``$DRAFTHEADS_CACHE/vllm-venv``, as ``train/vllm_parity.py``)."""
+    """vLLM's environment, made on first use (default ``$DRAFTHEADS_CACHE/vllm-venv``, as ``train/vllm_parity.py``);
+    also the serving preflight's (``serving.preflight``; there null reads ``$DRAFTHEADS_VLLM_VENV``)."""
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
@@ -357,6 +378,53 @@ class VllmEngineConfig:
         """The ``LLM`` arguments: the parallel sizes and ``engine_args``."""
         return {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
                 "data_parallel_size": self.data_parallel_size, **self.engine_args}
+
+
+class Preflight(Choice):
+    """Whether a training job runs the serving preflight (``serving.preflight``;
+    :mod:`draftheads.evaluation.preflight`) before computing any target state."""
+    auto = "auto"
+    """When a vLLM environment is named (``vllm.venv`` or ``$DRAFTHEADS_VLLM_VENV``), its vLLM serves the drafter's
+    method (read from its source) and the drafter has a preflight (not Medusa); else skipped, saying why."""
+    on = "on"
+    """Always: the vLLM environment is made on first use (as ``train/vllm_parity.py``), and a vLLM that does not
+    serve the drafter, an engine that refuses the export or a drafter without a preflight stops the job."""
+    off = "off"
+    """Never."""
+
+
+@dataclass
+class ServingConfig:
+    """Serving the export while training: the preflight that has vLLM read the untrained export first."""
+    preflight: Preflight = Preflight.auto
+    """auto, on or off (:class:`Preflight`): vLLM loads the untrained export, drafts a few tokens of one prompt,
+    and its engine's readings (target layer ids, EAGLE-3.1 norm flags, draft length, draft vocabulary, mask
+    token, draft max_model_len) are held to what the job means; a mismatch stops the job before any target state
+    is computed, naming the key, our value and the server's (docs/serving.md, "Preflight"). The engine is
+    ``vllm.*``'s (``vllm.engine_args``: on a GPU the training job shares, e.g. ``gpu_memory_utilization``)."""
+    preflight_tokens: int = 8
+    """Tokens generated for the one prompt the preflight drafts on."""
+
+    def __post_init__(self):
+        if self.preflight_tokens < 2:
+            raise ValueError(f"serving.preflight_tokens={self.preflight_tokens} must be >= 2 (a draft needs a "
+                             f"verified token before it)")
+
+
+@dataclass
+class DrafterConfig(Objective):
+    """What every drafter's config section (``medusa``, ``dflash``, ``eagle3``, ``dspark``) has, whatever the
+    drafter: its training objective (:class:`~draftheads.training.objectives.Objective`) and where its weights
+    start."""
+    init_from: str | None = None
+    """null (default): random initialisation. A finished run's folder (its saved drafter) or an export folder in a
+    format draftheads writes (``<run>/export/<name>``; Medusa's ``export/vllm``, ``export/tgi`` or
+    ``medusa_heads``) to start training from, made for a target of the same sizes (a target fine-tuned since is
+    what it is for: docs/refresh.md). DSpark also starts from a DFlash run or export (its Markov and confidence
+    heads fresh); Medusa's heads start stage 1 (stage 2 continues from stage 1 as always). Checked when the job
+    opens, before any work: another target's sizes, other target layers, another depth or head count are refused
+    naming the key, the file and both values. ``resume=true`` with a checkpoint ignores it. What was loaded is in
+    ``report.json`` (``init_from``); see :mod:`draftheads.training.warm_start`."""
 
 
 @dataclass
@@ -385,6 +453,8 @@ class RunConfig:
     """Who computes the states ``train/cache_hidden_states.py`` writes: the target in process (transformers) or
     vLLM (then the job holds only the target's ends, ``model.partial``, and vLLM the whole target)."""
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    """The serving preflight (:class:`ServingConfig`)."""
     drafter: str = MISSING
     """The drafter this run trains, a name in the registry (``draftheads.drafters.DRAFTERS``); set by each
     drafter's schema and recorded in the run's config.yaml, where evaluation, export, parity and the state

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import torch
 from torch import nn
 
+from draftheads.evaluation.preflight import Expect
 from draftheads.evaluation.serving import Served, serving_record, served_target, write_serving
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
@@ -23,6 +25,7 @@ from draftheads.training.held_out import held_out_metrics
 from draftheads.training.objectives import Objective, check_objective, with_last_layer
 from draftheads.training.runtime import print0
 from draftheads.training.spine import fit
+from draftheads.training.warm_start import applies, check_source, describe, load_source, read_source
 
 Decode = Callable
 """``decode(prompt_ids [T] int64, generator) -> DecodeResult``: one method the evaluator measures."""
@@ -40,6 +43,9 @@ class Trained:
     """Logged training metrics per stage (training only)."""
     step: int = 0
     """The last optimizer step on the tracker's axis (stages follow each other)."""
+    init_from: dict | None = None
+    """Where training started (``<drafter>.init_from``: :func:`~draftheads.training.warm_start.record`), None
+    from random weights; in ``report.json`` as ``init_from``."""
 
 
 class Recipe:
@@ -62,11 +68,59 @@ class Recipe:
     export folder it writes (and each variant of one), which server loads it, with the line of that server's
     source that says so (:class:`~draftheads.evaluation.serving.Served`). :meth:`write_serving` writes them
     beside the run's exports; the vLLM jobs refuse a vLLM without its method from them."""
+    short: tuple[str, ...]
+    """Hydra overrides that make its job short on a tiny target (``+experiment=smoke``: tests, smoke runs): every
+    stage for an epoch or less, its own sizes small, peer runs (which such a run has not made) off. The tests over
+    every drafter run its job with these and only keys every job declares, so a drafter is tested by declaring
+    them in its own folder."""
+
+    bases: tuple[Recipe, ...] = ()
+    """Drafters this one extends, whose runs and exports it can also start from (``<name>.init_from``: DSpark
+    from DFlash); their tensors load into its part of the same names."""
+    fresh: tuple[str, ...] = ()
+    """Prefixes of tensor names that may start fresh when a warm start's source lacks them, and of the source's
+    that are dropped when this drafter lacks them (:func:`~draftheads.training.warm_start.load_source`)."""
 
     def check(self, conf, target) -> None:
         """Refuse settings that would fail later, before the data is built (``ValueError``). Default: the
-        objective's keys (:func:`~draftheads.training.objectives.check_objective`)."""
+        objective's keys (:func:`~draftheads.training.objectives.check_objective`) and the warm start's source
+        (:meth:`check_init_from`)."""
         check_objective(self.objective(conf), self.name)
+        self.check_init_from(conf, target)
+
+    def check_init_from(self, conf, target) -> None:
+        """Read ``<name>.init_from`` (when it applies: :func:`~draftheads.training.warm_start.applies`) and
+        refuse it before any work: ``FileNotFoundError``/``ValueError`` naming the key, the file and, for a
+        source made for another target or with other settings (:meth:`init_fields`), the field and both
+        values."""
+        if applies(self, conf):
+            check_source(self, conf, target, read_source(self, conf, target))
+
+    def read_saved(self, folder: Path, target) -> nn.Module:
+        """The drafter saved in ``folder``: a finished run of this drafter (its save) or an export folder of it,
+        read by its strict loader for ``target`` (``ValueError`` naming the file for one made for another
+        target)."""
+        raise NotImplementedError
+
+    def init_fields(self, conf, target, model: nn.Module) -> dict[str, tuple]:
+        """``{config key: (the saved drafter's value, this run's)}`` for the settings that shape the drafter this
+        run builds, read from ``model`` (read by :meth:`read_saved`, of this drafter or a base); a warm start
+        from it is refused where they differ. Default none."""
+        return {}
+
+    def warm_start(self, job, model: nn.Module) -> dict | None:
+        """Load ``<name>.init_from`` into the freshly built ``model`` (in place) and log what was loaded;
+        returns the record (:func:`~draftheads.training.warm_start.record`), None without ``init_from``. A resumed
+        run loads nothing (its checkpoint holds the weights) and returns the record its checkpoint carries."""
+        if job.resume:
+            return job.resume[1].get("init_from")
+        if not applies(self, job.conf):
+            return None
+        source = read_source(self, job.conf, job.target)
+        check_source(self, job.conf, job.target, source)
+        init = load_source(model, source, self.fresh)
+        print0(job.accelerator, describe(init))
+        return init
 
     def objective(self, conf) -> Objective:
         """The drafter's objective settings (its config section, an
@@ -137,6 +191,20 @@ class Recipe:
         return {"method": self.name, "model": str((Path(run_dir) / self.vllm_weights).resolve()),
                 "num_speculative_tokens": self.draft_length(conf, trained)}
 
+    def untrained(self, job, run_dir: Path) -> Trained | None:
+        """For the serving preflight: a fresh, untrained drafter of the job (the shapes, layer ids and keys the
+        trained one will have, the global RNG left as it was) written as vLLM loads it at ``run_dir /
+        vllm_weights``; None (default): this drafter has no preflight."""
+        return None
+
+    def served_reads(self, conf, trained: Trained, target) -> dict[str, Expect]:
+        """What vLLM's engine must read from ``trained``'s export, as this job means it: an
+        :class:`~draftheads.evaluation.preflight.Expect` per reading of
+        :func:`~draftheads.evaluation.vllm_runner.engine_reads`. Default: the method and :meth:`draft_length`."""
+        return {"method": Expect(self.name, "speculative_config method"),
+                "num_speculative_tokens": Expect(self.draft_length(conf, trained),
+                                                 "speculative_config num_speculative_tokens")}
+
     def serving_variant(self, conf, trained: Trained) -> str:
         """Which variant of its :attr:`serving` rows ``trained``'s exports are: "" (default) the plain rows."""
         return ""
@@ -206,6 +274,9 @@ class FeatureRecipe(Recipe):
         """One line saying what was built, printed before training."""
         raise NotImplementedError
 
+    layer_key = "config.json target layer ids"
+    """Where the export names the target layers (what :meth:`served_reads` says a layer mismatch is in)."""
+
     def training(self, conf, drafter: nn.Module, target, online: bool):
         """The training strategy (:class:`~draftheads.training.spine.Strategy`) whose ``module.drafter`` is
         ``drafter``, training for :meth:`objective`; ``online``: it computes the target's features per batch."""
@@ -223,6 +294,16 @@ class FeatureRecipe(Recipe):
         """What the report records of the trained drafter's shape."""
         raise NotImplementedError
 
+    def read_saved(self, folder: Path, target) -> nn.Module:
+        """:meth:`read_export` of ``folder``, or of its ``export/<name>`` when it is a run (its saved model)."""
+        folder = Path(folder)
+        return self.read_export(folder / self.vllm_weights if (folder / "config.yaml").is_file() else folder, target)
+
+    def init_fields(self, conf, target, model: nn.Module) -> dict[str, tuple]:
+        """The target layers read: ``<name>.target_layer_ids`` (or their default)."""
+        return {f"{self.name}.target_layer_ids": (list(model.target_layer_ids),
+                                                  list(self.drafter_layers(conf, target)))}
+
     def check(self, conf, target) -> None:
         """The layer ids exist in the target, the objective's keys, then :meth:`check_settings`."""
         n = target.config.num_hidden_layers
@@ -237,6 +318,23 @@ class FeatureRecipe(Recipe):
         """The layers the drafter reads: ``<name>.target_layer_ids``, else :meth:`default_layers`."""
         return tuple(self.settings(conf).target_layer_ids or self.default_layers(conf, target))
 
+    def untrained(self, job, run_dir: Path) -> Trained:
+        """:meth:`build` without rows (a draft vocabulary of the lowest ids), in the target's dtype, written by
+        :meth:`write_export`; the RNG streams it draws from are restored, so training initialises as without it."""
+        device = job.target.device
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device.type == "cuda" else []):
+            drafter = self.build(job.conf, job.target, job.tokenizer, [])
+        trained = Trained(drafter.to(device=device, dtype=job.target.dtype).eval())
+        self.write_export(trained.model, Path(run_dir) / self.vllm_weights)
+        return trained
+
+    def served_reads(self, conf, trained: Trained, target) -> dict[str, Expect]:
+        """The method and draft length, and the target layers the drafter concatenates, in its order, as vLLM's
+        ids (id i: the input of decoder layer i, draftheads' i - 1: ``data/vllm_states.py``)."""
+        layers = list(trained.model.target_layer_ids)
+        return super().served_reads(conf, trained, target) | {"aux_hidden_state_layers": Expect(
+            [i + 1 for i in layers], self.layer_key, f"draftheads layers {layers}, each + 1, in the drafter's order")}
+
     def state_layers(self, conf, target) -> tuple[int, ...]:
         """:meth:`drafter_layers`, and the last layer when the objective reads the target's distribution
         (:func:`~draftheads.training.objectives.with_last_layer`)."""
@@ -247,13 +345,14 @@ class FeatureRecipe(Recipe):
         conf, target = job.conf, job.target
         drafter = self.build(conf, target, job.tokenizer, rows)
         print0(job.accelerator, f"drafter: {self.describe(conf, drafter)}")
+        init = self.warm_start(job, drafter)
         strategy = self.training(conf, drafter, target, online=conf.data.target_states == TargetStates.online)
         state = fit(job.accelerator, strategy, rows, conf.trainer, conf.train, str(job.out),
-                    job.tokenizer.pad_token_id, {"model": job.identity, "step_offset": 0},
+                    job.tokenizer.pad_token_id, {"model": job.identity, "step_offset": 0, "init_from": init},
                     resume_from=str(job.resume[0]) if job.resume else None)
         # the trained drafter (a plain copy after FSDP/DeepSpeed), in the target's dtype as a server runs it
         return Trained(strategy.module.drafter.to(target.dtype).eval(), curves={self.name: state.history},
-                       step=state.step)
+                       step=state.step, init_from=init)
 
     def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
         """The training module's metrics on the held-out rows, teacher-forced (``<name>_loss``, per position)."""

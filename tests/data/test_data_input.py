@@ -227,6 +227,16 @@ def test_server_backend_sends_every_sampling_field_a_server_could_take_from_gene
     assert FakeServer.last_body["top_k"] == -1 and FakeServer.last_body["temperature"] == 0.0  # -1: top-k off
 
 
+@pytest.mark.parametrize("thinking, sent", [(None, None), (True, {"enable_thinking": True}),
+                                            (False, {"enable_thinking": False})])
+def test_server_backend_sends_each_rows_thinking_mode_to_the_servers_chat_template(server, thinking, sent):
+    """``data.thinking_fraction``'s per-row mode reaches the server's chat template (vLLM and SGLang read
+    ``chat_template_kwargs``); the template's default sends none, as before."""
+    answer_turns(OpenAIBackend(server, "m", GenerationSettings(), max_retries=0),
+                 [Chat("t", 0, ({"role": "user", "content": "x"},), thinking=thinking)])
+    assert FakeServer.last_body.get("chat_template_kwargs") == sent
+
+
 @pytest.mark.parametrize("mode, template, turn", [
     ("inline", None, {"content": "<think>\npondering think twice\n</think>\n\necho: think twice"}),
     ("field", None, {"content": "echo: think twice", "reasoning_content": "pondering think twice"}),

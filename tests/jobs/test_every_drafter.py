@@ -1,6 +1,6 @@
 """What every registered drafter's job does alike: parametrized over the registry (``draftheads.drafters.DRAFTERS``),
-never over a list of names, each drafter's own short settings in :data:`OWN`, so a new drafter is tested here or
-fails here, never silently absent."""
+never over a list of names, each drafter's job made short by its recipe's own settings (``Recipe.short``), so a
+new drafter is tested here with no edit, never silently absent."""
 
 import math
 
@@ -11,23 +11,19 @@ from safetensors.torch import load_file
 from draftheads import drafters
 from draftheads.jobs.train import train
 from draftheads.training import lm_head_loss
+from draftheads.training.config import to_schema
 from draftheads.training.lm_head_loss import linear_loss
 from tests.helpers import smoke
 
-OWN = {
-    "medusa": ["stage1.epochs=1", "stage2.epochs=0.5"],
-    "dflash": ["train.epochs=1", "eval.peer_runs=[]"],
-    "eagle3": ["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"],
-    "dspark": ["train.epochs=1", "eval.peer_runs=[]"],
-}
-"""Each drafter's overrides of the smoke job for a short run (its peer runs, which the test does not make, off)."""
-SAVED = {"medusa": ["medusa_heads"]}
-"""Folders a drafter saves besides its vLLM export (``Recipe.vllm_weights``), held to the same dtype."""
 
-
-def test_every_registered_drafter_has_its_settings_here():
-    assert OWN.keys() == drafters.DRAFTERS.keys()
-    assert SAVED.keys() <= drafters.DRAFTERS.keys()
+@pytest.mark.parametrize("job", sorted(drafters.DRAFTERS))
+def test_every_registered_drafter_declares_short_settings_its_job_takes(job):
+    """``Recipe.short`` is the drafter's own (a subclass, as DSpark of DFlash, declares its own keys) and
+    composes with the smoke job: unknown keys fail here, before any suite runs it."""
+    recipe = drafters.get(job)
+    assert "short" in vars(type(recipe)) and recipe.short, f"{job} declares no short settings"
+    conf = to_schema(smoke(job, "out", "cache", *recipe.short))
+    assert conf.drafter == job and conf.eval.peer_runs == []
 
 
 @pytest.mark.slow
@@ -36,11 +32,12 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     """Drafters train in float32 beside a bf16 target, then are validated, evaluated and exported in the
     target's dtype, as a server runs them (float32 drafters met bf16 target states in validation before)."""
     report = train(job, smoke(job, tmp_path, cache_dir, "model.dtype=bfloat16", "eval.max_new_tokens=8",
-                              "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]", *OWN[job]))
+                              "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]", *drafters.get(job).short))
     assert report["dtype"] == "bfloat16" and report["drafter"] == job
     assert report["validation"] and all(math.isfinite(v) for v in report["validation"].values())
     assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
-    for folder in [*SAVED.get(job, []), drafters.get(job).vllm_weights]:
+    recipe = drafters.get(job)  # what it saves beside its exports and the export vLLM loads, in one dtype
+    for folder in [*recipe.saved_entries, recipe.vllm_weights]:
         files = list((tmp_path / folder).glob("*.safetensors"))
         dtypes = {t.dtype for f in files for t in load_file(str(f)).values()}
         assert files and dtypes == {torch.bfloat16}, (folder, dtypes)
@@ -64,7 +61,7 @@ def test_a_distillation_objective_reads_the_targets_distribution_where_the_draft
 
     monkeypatch.setattr(lm_head_loss, "linear_loss", recording)
     report = train(job, smoke(job, tmp_path, cache_dir, f"{job}.loss=kl", f"{job}.position_weights=dpace",
-                              "eval.max_new_tokens=8", *OWN[job]))
+                              "eval.max_new_tokens=8", *drafters.get(job).short))
     assert sum(total) > 100 and sum(agree) / sum(total) > 0.9, (sum(agree), sum(total))
     stage, curve = next(iter(report["train_curves"].items()))  # later stages' few steps start where it ended
     losses = [h[f"{stage}/loss"] for h in curve]

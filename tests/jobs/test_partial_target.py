@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from draftheads.data.state_cache import weights_fingerprint
-from draftheads.drafters import DRAFTERS
+from draftheads import drafters
 from draftheads.jobs.cache import cache_states
 from draftheads.jobs.train import train
 from draftheads.models.partial import hold_layers, is_partial, load_partial_model, part_names, save_partial
@@ -50,42 +50,35 @@ def _no_whole_target(monkeypatch):
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
 
 
-HEADS = "medusa_heads/medusa_heads.safetensors"
-JOBS = {"medusa": ([*SMOKE_STAGES, "stage2.enabled=false"], [HEADS]),
-        "medusa2": (SMOKE_STAGES, [HEADS, "export/target/model.safetensors"]),
-        "dflash": (["train.epochs=1", "eval.peer_runs=[]"], ["export/dflash/model.safetensors"]),
-        "eagle3": (["train.epochs=1", "eval.peer_runs=[]", "eagle3.ttt_steps=2"], ["export/eagle3/model.safetensors"]),
-        "dspark": (["train.epochs=1", "eval.peer_runs=[]"], ["export/dspark/model.safetensors"])}
-"""Every registered drafter, and Medusa with stage 2 (``medusa2``): its own overrides of the smoke job and the
-files a run saves that must be the same from the partial target as from the whole one."""
-
-
 def _job(job, out, cache_dir, hs, *overrides):
-    return smoke(job.removesuffix("2"), out, cache_dir, *JOBS[job][0], "eval.enabled=false",
-                 f"data.target_states_dir={hs}", "data.target_states_dtype=float32", *overrides)
+    return smoke(job, out, cache_dir, *drafters.get(job).short, "eval.enabled=false", f"data.target_states_dir={hs}",
+                 "data.target_states_dtype=float32", *overrides)
 
 
-def test_every_registered_drafter_trains_on_the_partial_target_here():
-    assert JOBS.keys() == DRAFTERS.keys() | {"medusa2"}
+def _saved(run) -> list[str]:
+    """Every weights file a run saves (its checkpoints aside), relative to the run."""
+    return sorted(str(f.relative_to(run)) for f in run.rglob("*.safetensors") if "checkpoints" not in f.parts)
 
 
-@pytest.mark.parametrize("job", [*sorted(DRAFTERS), "medusa2"])
+@pytest.mark.parametrize("job", sorted(drafters.DRAFTERS))
 def test_a_run_from_the_cache_on_the_partial_target_trains_what_the_whole_target_trains(
         job, tmp_path, cache_dir, monkeypatch):
-    """Medusa stage 2 (``medusa2``) holds the last N layers besides the ends, and writes the whole trained
-    target, file by file, as the whole target's ``save_pretrained`` writes it."""
-    hs, saved = tmp_path / "hs", JOBS[job][1]
+    """Every file of weights a run saves is the same from the partial target as from the whole one. Medusa's
+    stage 2 holds the last N layers besides the ends, and writes the whole trained target, file by file, as the
+    whole target's ``save_pretrained`` writes it."""
+    hs = tmp_path / "hs"
     cache_states(_job(job, tmp_path / "cache", cache_dir, hs))
-    whole = train(job.removesuffix("2"), _job(job, tmp_path / "whole", cache_dir, hs, "data.target_states=disk"))
+    whole = train(job, _job(job, tmp_path / "whole", cache_dir, hs, "data.target_states=disk"))
     _no_whole_target(monkeypatch)
-    part = train(job.removesuffix("2"), _job(job, tmp_path / "part", cache_dir, hs, "data.target_states=disk",
-                                             "model.partial=true"))
+    part = train(job, _job(job, tmp_path / "part", cache_dir, hs, "data.target_states=disk", "model.partial=true"))
     def curves(report):
         return {stage: [{k: v for k, v in point.items() if not k.startswith("perf/")} for point in curve]
                 for stage, curve in report["train_curves"].items()}
     assert [c["step"] for c in next(iter(part["train_curves"].values()))]
     assert curves(part) == curves(whole)
     assert part["validation"] == whole["validation"]
+    saved = _saved(tmp_path / "whole")
+    assert saved and _saved(tmp_path / "part") == saved
     for file in saved:
         a, b = load_file(tmp_path / "whole" / file), load_file(tmp_path / "part" / file)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), file

@@ -159,6 +159,27 @@ def test_speculative_sampling_end_to_end_matches_the_target_joint_distribution(s
     assert not chi2_rejects(_pair_counts(lambda: plain_decode(model, prompt, 2, (), sampling, gen), 500, 5), joint)
 
 
+@pytest.mark.parametrize("proposal", list(Proposal))
+def test_verifying_fewer_drafts_is_lossless_too(small_vocab_model, proposal):
+    """``verify`` (adaptive verification's hook: DSpark's ``dspark_adaptive``) choosing how many of the drafts the
+    target checks, here at random from its own generator (0, 1 or 2 of 2): still the exact joint; the counts are
+    recorded per step, and a count outside 0..g is refused."""
+    model, prompt, sampling = small_vocab_model, torch.tensor([1, 2, 3]), Sampling(temperature=0.8, proposal=proposal)
+    gen, own, verified = torch.Generator().manual_seed(3), torch.Generator().manual_seed(8), []
+    drafter = _FixedDrafter(5)
+
+    def decode():
+        result = speculative_decode(model, drafter, prompt, 2, (), sampling, gen,
+                                    verify=lambda g: int(torch.randint(0, g + 1, (1,), generator=own)))
+        verified.extend(result.verified_per_step)
+        return result
+
+    assert not chi2_rejects(_pair_counts(decode, 2500, 5), _exact_joint(model, prompt, sampling))
+    assert set(verified) == {0, 1, 2}
+    with pytest.raises(ValueError, match="verify chose 3 of 2 drafts"):
+        speculative_decode(model, drafter, prompt, 4, (), sampling, gen, verify=lambda g: g + 1)
+
+
 def test_prompt_lookup_sampling_matches_the_target_joint_distribution(small_vocab_model):
     """The prompt-lookup peer at T > 0 (transformers' generate, drafts copied from a repetitive prompt) is
     lossless too, and a seeded generator reproduces it."""

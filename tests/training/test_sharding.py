@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftheads.drafters import DRAFTERS
+from draftheads import drafters
+from draftheads.training.recipe import FeatureRecipe
 from tests.helpers import ROOT, SMOKE_STAGES, greedy_lossless, launch
 
 pytest.importorskip("deepspeed")
@@ -19,12 +20,8 @@ pytest.importorskip("deepspeed")
 pytestmark = pytest.mark.slow  # 2-process launches under every engine
 
 MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
-FEATURE_DRAFTERS = {
-    "dflash": ["train.epochs=3", "dflash.block_size=8", "eval.peer_runs=[]", "trainer.mixed_precision=no"],
-    "eagle3": ["train.epochs=3", "eagle3.ttt_steps=3", "eagle3.draft_vocab_size=256", "eval.peer_runs=[]",
-               "trainer.mixed_precision=no"],
-    "dspark": ["train.epochs=3", "eval.peer_runs=[]", "trainer.mixed_precision=no"],
-}
+FEATURE_DRAFTERS = sorted(name for name in drafters.DRAFTERS if isinstance(drafters.get(name), FeatureRecipe))
+"""The registered drafters on target layers (Medusa, on the last hidden state, has the tests above)."""
 
 
 def weights(folder) -> dict[str, torch.Tensor]:
@@ -97,27 +94,23 @@ def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_
     assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
 
 
-def test_every_registered_drafter_is_sharded_here():
-    """Medusa by the tests above, every other drafter by the one below, with its own settings."""
-    assert FEATURE_DRAFTERS.keys() == DRAFTERS.keys() - {"medusa"}
-
-
-@pytest.mark.parametrize("job", sorted(DRAFTERS.keys() - {"medusa"}))
+@pytest.mark.parametrize("job", FEATURE_DRAFTERS)
 def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir):
     """The drafters that read target layers, under FSDP on cached features and under ZeRO-3 with the target
     running online: the same losses and drafter as DDP."""
-    own = FEATURE_DRAFTERS[job]
+    recipe = drafters.get(job)
+    own = [*recipe.short, "trainer.mixed_precision=no"]
     ref = launch(job, tmp_path / "ddp", cache_dir, *own)
-    ref_weights = weights(tmp_path / "ddp" / "export" / job)
+    ref_weights = weights(tmp_path / "ddp" / recipe.vllm_weights)
     for engine, target_states in (("fsdp", "memory"), ("zero3", "online")):
         report = launch(job, tmp_path / engine, cache_dir, *own, f"data.target_states={target_states}", engine=engine)
         assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
         # EAGLE-3's unrolled steps amplify float32 reduction-order differences (1.4e-5 in an MLP weight after 36
         # AdamW steps at the smoke rate; the curves agree to 1e-5). DSpark's Markov rows of rarely read tokens get
         # gradients near AdamW's eps (both low-rank factors start at N(0, 0.02)), where such differences change the
-        # step: under ZeRO-3 1-3 entries differ after 1-3 steps (< 7e-6), 3.1e-3 in 22 rows of markov_w1 after the
-        # test's (FSDP equal to DDP exactly; the curves agree to 1.5e-6)
-        assert_same_weights(weights(tmp_path / engine / "export" / job), ref_weights,
+        # step: under ZeRO-3 1-3 entries differ after 1-3 steps (< 7e-6), 3.1e-3 in 22 rows of markov_w1 after 3
+        # epochs (FSDP equal to DDP exactly; the curves agree to 1.5e-6)
+        assert_same_weights(weights(tmp_path / engine / recipe.vllm_weights), ref_weights,
                             {"dflash": 1e-5, "dspark": 5e-3}.get(job, 5e-5))
         assert all(greedy_lossless(m) for m in report["eval"].values())
 

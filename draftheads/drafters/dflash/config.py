@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draftheads.choice import Choice
-from draftheads.training.config import RunConfig, StageConfig
-from draftheads.training.objectives import Objective
+from draftheads.training.config import DrafterConfig, RunConfig, StageConfig
 
 
 class Attention(Choice):
@@ -17,7 +16,7 @@ class Attention(Choice):
 
 
 @dataclass
-class DFlashConfig(Objective):
+class DFlashConfig(DrafterConfig):
     """The DFlash drafter (arXiv 2602.06036) and how it trains (its objective:
     :class:`~draftheads.training.objectives.Objective`) and drafts."""
     block_size: int = 16

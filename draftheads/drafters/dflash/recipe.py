@@ -15,6 +15,7 @@ from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, c
                                               default_target_layer_ids)
 from draftheads.drafters.dflash.serving import SERVING
 from draftheads.drafters.dflash.training import DFlashTraining
+from draftheads.evaluation.preflight import Expect
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.training.recipe import FeatureRecipe, Trained
 
@@ -24,6 +25,7 @@ class DFlash(FeatureRecipe):
     name = "dflash"
     schema = DFlashRunConfig
     serving = SERVING
+    short = ("train.epochs=1", "dflash.block_size=8", "eval.peer_runs=[]")
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:
         """K = ``dflash.num_target_features`` layers spaced from 1 to L-3, as the paper's."""
@@ -71,6 +73,11 @@ class DFlash(FeatureRecipe):
     def read_export(self, folder: Path, target) -> DFlashDraftModel:
         return load_dflash(folder, target)
 
+    def init_fields(self, conf: DFlashRunConfig, target, model: DFlashDraftModel) -> dict[str, tuple]:
+        """The target layers and the draft depth (``<name>.num_layers``); the block size shapes no tensor."""
+        return super().init_fields(conf, target, model) | {
+            f"{self.name}.num_layers": (len(model.layers), self.settings(conf).num_layers)}
+
     def drafter_config(self, conf: DFlashRunConfig, drafter: DFlashDraftModel) -> dict:
         return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),
                 "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
@@ -91,6 +98,15 @@ class DFlash(FeatureRecipe):
     def draft_length(self, conf, trained: Trained) -> int:
         """A block's drafts: its size less the anchor."""
         return trained.model.block_size - 1
+
+    layer_key = "config.json dflash_config.target_layer_ids (vLLM adds 1)"
+    mask_key = "config.json dflash_config.mask_token_id"
+
+    def served_reads(self, conf, trained: Trained, target) -> dict[str, Expect]:
+        """The layers and draft length (:meth:`FeatureRecipe.served_reads`) and the mask token of the block's
+        draft positions."""
+        return super().served_reads(conf, trained, target) | {
+            "mask_token_id": Expect(trained.model.mask_token_id, self.mask_key)}
 
 
 DFLASH = DFlash()

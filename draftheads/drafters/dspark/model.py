@@ -12,6 +12,10 @@ Generation", arXiv 2607.05147), laid out as vLLM's ``qwen3_dspark.py`` loads it 
 - Markov head (the sequential stage): ``markov_w1`` (``V x r`` embedding) and ``markov_w2`` (``r -> V``, no
   bias). Position k's logits are ``lm_head(h_k) + markov_w2(markov_w1[x])`` with x the token before it: the
   anchor at k = 0, else the token drafted at k-1 (its argmax when drafting greedily; the true token in training).
+- Markov head forms (``markov_head_type``, DeepSpec's ``markov_head.py``): ``vanilla`` above, the only one vLLM
+  builds; ``gated`` scales the embedding by ``sigmoid(gate_proj([h_k; markov_w1[x]]))`` before ``markov_w2``;
+  ``rnn`` (recurrent) carries a state along the block, ``s_k = g * s_{k-1} + (1 - g) * c`` with
+  ``[g; c; o] = joint_proj([s_{k-1}; markov_w1[x]; h_k])`` (sigmoid, tanh), and biases by ``markov_w2(tanh(o))``.
 - Confidence head: ``proj`` (``D + r -> 1`` with bias) on ``[h_k; markov_w1[x]]``; its sigmoid predicts that
   position k's draft is accepted given the ones before it were (vLLM multiplies them along the block into
   survival probabilities, ``adaptive_verification.py``), trained against the acceptance probability
@@ -36,18 +40,19 @@ from draftheads.training.objectives import chain_weights, normalise
 
 
 def draft_config(target_config, num_layers: int, block_size: int, target_layer_ids: list[int], mask_token_id: int,
-                 markov_rank: int, confidence: bool, confidence_with_markov: bool = True):
+                 markov_rank: int, confidence: bool, confidence_with_markov: bool = True,
+                 markov_head_type: str = "vanilla"):
     """The draft config as ``config.json`` holds it: DFlash's Qwen3 decoder of the target's width, with DSpark's
     keys where vLLM and DeepSpec read them (top level: ``block_size``, ``target_layer_ids``, ``mask_token_id``,
-    ``markov_rank``, ``markov_head_type``, ``enable_confidence_head``, ``confidence_head_with_markov``,
-    ``sample_from_anchor``)."""
+    ``markov_rank``, ``markov_head_type`` (DeepSpec's word: ``vanilla``, ``gated`` or ``rnn``),
+    ``enable_confidence_head``, ``confidence_head_with_markov``, ``sample_from_anchor``)."""
     config = dflash_draft_config(target_config, num_layers, block_size, target_layer_ids, mask_token_id)
     del config.dflash_config
     config.architectures = ["Qwen3DSparkModel"]
     config.target_layer_ids = list(target_layer_ids)
     config.mask_token_id = mask_token_id
     config.markov_rank = markov_rank
-    config.markov_head_type = "vanilla"
+    config.markov_head_type = markov_head_type
     config.enable_confidence_head = bool(confidence)
     config.confidence_head_with_markov = bool(confidence and confidence_with_markov)
     config.sample_from_anchor = True
@@ -78,18 +83,82 @@ class MarkovProjection(nn.Linear):
 
 
 class DSparkMarkovHead(nn.Module):
-    """vLLM's ``DSparkMarkovHead``: ``markov_w1`` (``nn.Embedding(V, r)``) and ``markov_w2`` (``r -> V``)."""
+    """vLLM's ``DSparkMarkovHead`` (DeepSpec's ``VanillaMarkov``, ``markov_head.py:8-90``): ``markov_w1``
+    (``nn.Embedding(V, r)``) and ``markov_w2`` (``r -> V``); position k's bias is ``markov_w2(z_k)`` with the latent
+    ``z_k`` = ``markov_w1[x]`` of the token before it. The other forms change only the latent
+    (:meth:`latent`); ``hidden_size`` is unused here."""
+    kind = "vanilla"
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int = 0):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = MarkovProjection(rank, vocab_size, bias=False)
 
-    def forward(self, prev: torch.Tensor, hidden: torch.Tensor | None = None, lm_head: nn.Module | None = None,
-                labels: torch.Tensor | None = None, **loss):
-        """``[..]`` previous token ids -> ``[.., V]`` logit bias; with ``hidden``, ``lm_head`` and ``labels``
-        (:class:`MarkovProjection`) the drafted loss of the biased logits."""
-        return self.markov_w2(self.markov_w1(prev), hidden, lm_head, labels, **loss)
+    def latent(self, embed: torch.Tensor, hidden: torch.Tensor | None,
+               state: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block position: ``[.., r]`` embedding ``markov_w1[x]`` of the previous token and ``[.., D]`` the
+        position's hidden state (after the backbone's norm) -> ``([.., r]`` latent, the state for the next
+        position``)``; ``state`` None at a block's first position."""
+        return embed, state
+
+    def block_latent(self, embed: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+        """Every position of blocks at once (teacher-forced: the true previous tokens): ``[.., S, r]`` embeddings
+        and ``[.., S, D]`` hidden states -> ``[.., S, r]`` latents. Position-wise forms take any shape."""
+        return self.latent(embed, hidden)[0]
+
+    def forward(self, prev: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``[.., S]`` previous token ids (int64) and, for the gated and recurrent forms, ``[.., S, D]`` hidden
+        states -> ``[.., S, V]`` logit bias (the vanilla form takes ids of any shape and no hidden states)."""
+        return self.markov_w2(self.block_latent(self.markov_w1(prev), hidden))
+
+
+class GatedMarkovHead(DSparkMarkovHead):
+    """DeepSpec's ``GatedMarkovHead`` (``markov_head.py:93-122``): the latent is ``markov_w1[x]`` scaled per
+    dimension by ``sigmoid(gate_proj([h_k; markov_w1[x]]))``, ``gate_proj``: ``D + r -> r`` with a bias. Not served
+    by vLLM 0.32 (``qwen3_dspark.py`` builds the vanilla head only)."""
+    kind = "gated"
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank)
+
+    def latent(self, embed, hidden, state=None):
+        w = self.gate_proj.weight
+        gate = torch.sigmoid(self.gate_proj(torch.cat([hidden.to(w.dtype), embed.to(w.dtype)], dim=-1)))
+        return gate.to(embed.dtype) * embed, state
+
+
+class RecurrentMarkovHead(DSparkMarkovHead):
+    """DeepSpec's ``RNNHead`` (``markov_head.py:125-284``, ``markov_head_type: rnn``): a GRU-like state ``s``
+    (``[.., r]``, zero at a block's first position) carried along the block, so position k reads every token drafted
+    before it in the block: ``[g; c; o] = joint_proj([s_{k-1}; markov_w1[x]; h_k])`` (``joint_proj``:
+    ``2r + D -> 3r`` with a bias), ``s_k = sigmoid(g) * s_{k-1} + (1 - sigmoid(g)) * tanh(c)``, latent ``tanh(o)``.
+    Not served by vLLM 0.32."""
+    kind = "rnn"
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+        super().__init__(vocab_size, rank)
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def latent(self, embed, hidden, state=None):
+        w = self.joint_proj.weight
+        state = torch.zeros(embed.shape, dtype=w.dtype, device=embed.device) if state is None else state
+        gate, candidate, output = self.joint_proj(torch.cat([state, embed.to(w.dtype), hidden.to(w.dtype)],
+                                                            dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        state = gate * state + (1.0 - gate) * torch.tanh(candidate)
+        return torch.tanh(output).to(embed.dtype), state
+
+    def block_latent(self, embed, hidden):
+        out, state = [], None
+        for k in range(embed.shape[-2]):  # sequential along the block, as DeepSpec's apply_block_logits
+            z, state = self.latent(embed[..., k, :], hidden[..., k, :], state)
+            out.append(z)
+        return torch.stack(out, dim=-2)
+
+
+MARKOV_HEADS = {head.kind: head for head in (DSparkMarkovHead, GatedMarkovHead, RecurrentMarkovHead)}
+"""``markov_head_type`` (DeepSpec's words, as ``config.json`` holds them) -> the head's class."""
 
 
 class DSparkConfidenceHead(nn.Module):
@@ -114,17 +183,17 @@ class DSparkDraftModel(DFlashDraftModel):
         config: from :func:`draft_config`.
         embed_weight, lm_head: the target's ``[V, D]`` input embedding table and its LM head.
     Raises ``ValueError`` for feature layers outside the target, a block under 2 positions (the DFlash
-    backbone's), a Markov rank under 1 or a Markov head other than vanilla.
+    backbone's), a Markov rank under 1 or a ``markov_head_type`` outside :data:`MARKOV_HEADS`.
     """
 
     def __init__(self, config, embed_weight: torch.Tensor, lm_head: nn.Module):
         super().__init__(dflash_view(config), embed_weight, lm_head)
         self.config = config
         rank = config.markov_rank
-        if config.markov_head_type != "vanilla" or rank < 1:
-            raise ValueError(f"DSpark's Markov head is vanilla with rank >= 1 (what vLLM serves); got "
+        if config.markov_head_type not in MARKOV_HEADS or rank < 1:
+            raise ValueError(f"DSpark's Markov head is one of {sorted(MARKOV_HEADS)} with rank >= 1; got "
                              f"{config.markov_head_type!r} of rank {rank}")
-        self.markov_head = DSparkMarkovHead(config.vocab_size, rank)
+        self.markov_head = MARKOV_HEADS[config.markov_head_type](config.vocab_size, rank, config.hidden_size)
         self.confidence_with_markov = bool(config.confidence_head_with_markov)
         self.confidence_head = None
         if config.enable_confidence_head:
@@ -133,6 +202,10 @@ class DSparkDraftModel(DFlashDraftModel):
         std = config.initializer_range  # as DeepSpec's post_init: N(0, std) weights, zero biases
         nn.init.normal_(self.markov_head.markov_w1.weight, std=std)
         nn.init.normal_(self.markov_head.markov_w2.weight, std=std)
+        for proj in (getattr(self.markov_head, name, None) for name in ("gate_proj", "joint_proj")):
+            if proj is not None:
+                nn.init.normal_(proj.weight, std=std)
+                nn.init.zeros_(proj.bias)
         if self.confidence_head is not None:
             nn.init.normal_(self.confidence_head.proj.weight, std=std)
             nn.init.zeros_(self.confidence_head.proj.bias)
@@ -140,10 +213,11 @@ class DSparkDraftModel(DFlashDraftModel):
     @classmethod
     def for_target(cls, target: PreTrainedModel, num_layers: int, block_size: int, target_layer_ids: list[int],
                    mask_token_id: int, markov_rank: int = 256, confidence: bool = True,
-                   confidence_with_markov: bool = True) -> "DSparkDraftModel":
-        """A fresh drafter of ``target``'s width (float32, on ``target``'s device)."""
+                   confidence_with_markov: bool = True, markov_head_type: str = "vanilla") -> "DSparkDraftModel":
+        """A fresh drafter of ``target``'s width (float32, on ``target``'s device); ``markov_head_type`` one of
+        :data:`MARKOV_HEADS` (``ValueError`` otherwise)."""
         config = draft_config(target.config, num_layers, block_size, target_layer_ids, mask_token_id, markov_rank,
-                              confidence, confidence_with_markov)
+                              confidence, confidence_with_markov, markov_head_type)
         model = cls(config, target.get_input_embeddings().weight, target.get_output_embeddings())
         return model.to(next(target.parameters()).device)
 
@@ -193,11 +267,15 @@ def dspark_loss(model: DSparkDraftModel, hidden: torch.Tensor, labels: torch.Ten
     if train_confidence and teacher_states is None:
         raise ValueError("the DSpark confidence head trains against the target's acceptance probability: give "
                          "the target's last hidden states")
-    head = model.frozen[1]
+    head, markov = model.frozen[1], model.markov_head
     h, y = hidden[valid], labels[valid]
-    embed = model.markov_head.markov_w1(prev[valid])  # read by both heads
+    if markov.kind == "vanilla":  # the latent is the embedding: looked up at the valid positions only
+        embed = latent = markov.markov_w1(prev[valid])
+    else:  # the gated and recurrent latents read the block (the recurrent one in order): made whole, then selected
+        embed_all = markov.markov_w1(prev)
+        embed, latent = embed_all[valid], markov.block_latent(embed_all, hidden)[valid]
     teacher = None if teacher_states is None else (teacher_states[valid], head.weight, head.bias)
-    out = model.markov_head.markov_w2(embed, h, head, y, valid=valid, settings=settings, teacher=teacher)
+    out = markov.markov_w2(latent, h, head, y, valid=valid, settings=settings, teacher=teacher)
     loss = out.loss
     with torch.no_grad():
         correct = torch.zeros_like(valid)
@@ -231,7 +309,10 @@ class DSparkDrafter(DFlashDrafter):
     verified against), but not vLLM's ``draft_sample_method=probabilistic``, which continues from the sampled
     token; vLLM's default (greedy drafting, one-hot q) is ``eval.proposal=argmax``, exactly.
     ``acceptance`` holds the confidence head's per-position estimates of the last block (None without a head):
-    what vLLM's adaptive verification ranks; the evaluator verifies every draft.
+    what vLLM's adaptive verification ranks; this drafter has every draft verified, its adaptive peer
+    (:class:`~draftheads.drafters.dspark.adaptive.AdaptiveDSparkDrafter`) fewer. The gated and recurrent Markov
+    heads draft the same way, their bias read from each position's hidden state (the recurrent one's state
+    carried from position to position).
     """
 
     def __init__(self, model: DSparkDraftModel):
@@ -246,11 +327,12 @@ class DSparkDrafter(DFlashDrafter):
         model, S = self.model, self.model.block_size
         hidden = model.blocks(ids, positions, self._context, None)[0]
         base = model.logits(hidden)
-        prev = ids[0, :1]
+        markov, prev, state = model.markov_head, ids[0, :1], None
         out, prevs = [], []
         for k in range(S):
             prevs.append(prev)
-            out.append(base[k] + model.markov_head(prev)[0])
+            latent, state = markov.latent(markov.markov_w1(prev), hidden[k:k + 1], state)
+            out.append(base[k] + markov.markov_w2(latent)[0])
             prev = out[-1].argmax(-1, keepdim=True)
         if model.confidence_head is not None:
             self.acceptance = model.confidence_logits(hidden, torch.cat(prevs)).sigmoid()

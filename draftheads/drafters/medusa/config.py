@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from draftheads.training.config import RunConfig, StageConfig
-from draftheads.training.objectives import Objective
+from draftheads.training.config import DrafterConfig, RunConfig, StageConfig
 
 
 @dataclass
-class MedusaConfig(Objective):
+class MedusaConfig(DrafterConfig):
     """The Medusa heads (arXiv 2401.10774) and their objective (:class:`~draftheads.training.objectives.Objective`,
     in both stages; a distillation objective's target is the original target's distribution)."""
     num_heads: int = 4

@@ -38,6 +38,10 @@ class Medusa(Recipe):
     vllm_weights = "export/vllm"
     saved_entries = ("medusa_heads",)
     serving = SERVING
+    fresh = ("lm_heads.",)
+    """Per-head LM heads: a vLLM export always holds them (dropped when the config shares the target's LM head);
+    heads saved sharing it leave per-head ones initialised from the target's."""
+    short = ("stage1.epochs=1", "stage2.epochs=0.5", "stage2.unfreeze_last_n_layers=1")
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """The objective's keys, stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them
@@ -67,7 +71,9 @@ class Medusa(Recipe):
                             conf.medusa.num_layers, conf.medusa.per_head_lm_head).to(accelerator.device)
         if heads.per_head_lm_head:
             heads.init_lm_heads_from(target.get_output_embeddings())
-        meta = {"model": job.identity, "step_offset": 0, "curves": {}}  # every checkpoint carries earlier curves
+        init = self.warm_start(job, heads)  # stage 1 starts from them; stage 2 continues from stage 1 as always
+        # every checkpoint carries earlier curves and where the weights began
+        meta = {"model": job.identity, "step_offset": 0, "curves": {}, "init_from": init}
         if conf.stage1.enabled and resume_stage != "stage2":
             strategy = MedusaStage1(heads, target, conf.medusa)
             state = fit(accelerator, strategy, rows, conf.trainer, conf.stage1, out, pad, meta,
@@ -90,7 +96,7 @@ class Medusa(Recipe):
             meta["step_offset"] += state.step
             target.requires_grad_(False)
         # trained in float32; served in the target's dtype
-        return Trained(heads.to(target.dtype).eval(), curves=curves, step=meta["step_offset"])
+        return Trained(heads.to(target.dtype).eval(), curves=curves, step=meta["step_offset"], init_from=init)
 
     def validate(self, job, trained: Trained, rows: list[dict]) -> dict[str, float]:
         """Head accuracies and the target's drift; the heads' rank accuracies go into ``trained.saved``."""
@@ -160,6 +166,21 @@ class Medusa(Recipe):
             heads = load_any_heads(Path(run_dir) / weights, target.config.vocab_size)
         heads.check_target(target.config.hidden_size, target.config.vocab_size, where=str(run_dir))
         return Trained(heads.to(device=target.device, dtype=target.dtype).eval(), saved=saved)
+
+    def read_saved(self, folder: Path, target) -> MedusaHeads:
+        """A finished run's ``medusa_heads``, or the heads of an export folder in any layout written here
+        (:func:`~draftheads.drafters.medusa.export.load_any_heads`: ``medusa_heads``, vLLM's, TGI's), checked
+        against ``target``'s hidden and vocabulary sizes (``ValueError`` naming both)."""
+        folder = Path(folder)
+        heads = (load_heads(folder / "medusa_heads")[0] if (folder / "config.yaml").is_file()
+                 else load_any_heads(folder, target.config.vocab_size))
+        heads.check_target(target.config.hidden_size, target.config.vocab_size, where="this run's target")
+        return heads
+
+    def init_fields(self, conf: MedusaRunConfig, target, model: MedusaHeads) -> dict[str, tuple]:
+        """The heads' count and depth."""
+        return {"medusa.num_heads": (model.num_heads, conf.medusa.num_heads),
+                "medusa.num_layers": (model.num_layers, conf.medusa.num_layers)}
 
     def chain(self, conf, trained: Trained, target) -> MedusaDrafter:
         return MedusaDrafter(trained.model, target.get_output_embeddings())

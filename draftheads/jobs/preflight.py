@@ -1,0 +1,115 @@
+"""A training job's serving preflight (``serving.preflight``): whether it runs, and running it, before the job
+computes any target state (:mod:`draftheads.evaluation.preflight` holds the comparison; docs/serving.md,
+"Preflight")."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from draftheads.data.regenerate import prompt_ids
+from draftheads.data.templates import stop_token_ids
+from draftheads.evaluation.evaluator import write_report
+from draftheads.evaluation.preflight import MAX_MODEL_LEN, PROMPT, Expect, preflight_job, refusal, run_preflight
+from draftheads.evaluation.serving import SERVERS
+from draftheads.evaluation.vllm_env import probe_vllm
+from draftheads.jobs.runs import vllm_serving
+from draftheads.training.config import Preflight
+from draftheads.training.job import Job
+from draftheads.training.recipe import Recipe
+
+VENV_VARIABLE = "DRAFTHEADS_VLLM_VENV"
+"""Names the vLLM environment when ``vllm.venv`` does not (the one CI and the vLLM tests use)."""
+
+
+def preflight_python(job: Job, recipe: Recipe) -> tuple[Path | None, str]:
+    """The vLLM environment's python the preflight runs in, or None and why it does not run: ``off``; ``auto``
+    without an environment named (``vllm.venv``, ``$DRAFTHEADS_VLLM_VENV``) or one that does not exist, or whose
+    vLLM does not serve the drafter's method or is no vLLM of the serving matrix whose cell says it loads the
+    export, or runs it on GPUs only (:attr:`~draftheads.evaluation.serving.Cell.cpu`) on a machine without one.
+    Raises ``ValueError`` with ``on`` for a vLLM that does not serve the method
+    (:func:`~draftheads.jobs.runs.vllm_serving`, which makes the environment on first use)."""
+    mode, venv = job.conf.serving.preflight, job.conf.vllm.venv or os.environ.get(VENV_VARIABLE)
+    if mode == Preflight.off:
+        return None, "serving.preflight=off"
+    if mode == Preflight.auto:
+        if not venv:
+            return None, f"no vLLM environment named (vllm.venv, ${VENV_VARIABLE})"
+        if not (Path(venv) / "bin" / "python").exists():
+            return None, f"vllm.venv / ${VENV_VARIABLE}={venv} holds no environment (serving.preflight=on makes it)"
+        try:
+            python = vllm_serving(recipe, recipe.name, venv)
+        except ValueError as e:
+            return None, str(e)
+        version = probe_vllm(python)["version"]
+        row = recipe.served(recipe.vllm_weights)
+        cells = [row.cells[s.key] for s in SERVERS if s.kind == "vllm" and version.startswith(s.release + ".")]
+        if not any(cell.loads for cell in cells):
+            return None, (f"vLLM {version} is no vLLM of the serving matrix that loads {recipe.vllm_weights} "
+                          f"(docs/serving.md)")
+        if not torch.cuda.is_available() and not any(cell.cpu for cell in cells if cell.loads):
+            return None, f"vLLM {version} runs {recipe.name} on GPUs only, and this machine has none (docs/serving.md)"
+        return python, ""
+    return vllm_serving(recipe, recipe.name, venv), ""
+
+
+def serving_preflight(job: Job, recipe: Recipe) -> dict:
+    """On the main process, before the rows and target states: vLLM loads the job's drafter exported untrained
+    (:meth:`~draftheads.training.recipe.Recipe.untrained`, in a temporary folder), drafts
+    ``serving.preflight_tokens`` tokens of one prompt, and what its engine read is held to
+    :meth:`~draftheads.training.recipe.Recipe.served_reads` and the draft's ``max_model_len``
+    (:func:`~draftheads.evaluation.preflight.check`). Returns the record for ``report.json`` (``mode``, ``ran``;
+    ``why`` it did not; else ``passed``, ``seconds``, ``readings``...); {} on other processes.
+
+    Raises :class:`~draftheads.evaluation.preflight.PreflightMismatch` (a ``ValueError``) naming each key, our
+    value and the server's when vLLM reads the export otherwise, after writing the record into ``report.json``;
+    with ``serving.preflight=on`` also ``ValueError`` for a drafter without a preflight or a vLLM that does not
+    serve it, and ``CalledProcessError`` when the engine refuses the export (``auto`` records it and goes on)."""
+    if not job.accelerator.is_main_process:
+        return {}
+    start, mode = time.perf_counter(), job.conf.serving.preflight.value
+    python, why = preflight_python(job, recipe)
+    if python is None:
+        print(f"serving preflight: skipped ({why})", flush=True)
+        return {"mode": mode, "ran": False, "why": why}
+    conf, target, tokenizer = job.conf, job.target, job.tokenizer
+    with tempfile.TemporaryDirectory(prefix="draftheads-preflight-") as tmp:
+        trained = recipe.untrained(job, Path(tmp))
+        if trained is None:
+            why = f"{recipe.name} has no serving preflight"
+            if conf.serving.preflight == Preflight.on:
+                raise ValueError(f"serving.preflight=on: {why}; use serving.preflight=auto or off")
+            print(f"serving preflight: skipped ({why})", flush=True)
+            return {"mode": mode, "ran": False, "why": why}
+        max_len = min(MAX_MODEL_LEN, target.config.max_position_embeddings)
+        expected = recipe.served_reads(conf, trained, target) | {"draft_max_model_len": Expect(
+            max_len, "config.json max_position_embeddings", "the engine's max_model_len: drafts over the whole "
+                                                            "context the target serves")}
+        spec = recipe.vllm_config(Path(tmp), conf, trained)
+        run = preflight_job(job.target_path, spec, prompt_ids(tokenizer, PROMPT),
+                            stop_token_ids(tokenizer, target.generation_config), conf.serving.preflight_tokens,
+                            max_len, {"dtype": str(conf.model.dtype), **conf.vllm.engine()})
+        print(f"serving preflight: vLLM ({python}) loads {recipe.name}'s untrained export", flush=True)
+        try:
+            record = run_preflight(python, run, expected)
+        except subprocess.CalledProcessError as e:
+            if conf.serving.preflight == Preflight.on:
+                raise
+            print(f"serving preflight: vLLM's engine failed on the export ({e}); serving.preflight=auto goes on",
+                  flush=True)
+            return {"mode": mode, "ran": True, "passed": None, "why": f"the engine failed: {e}"}
+    record = {"mode": mode, "ran": True, **record, "seconds": round(time.perf_counter() - start, 1)}
+    if not record["passed"]:
+        report = json.loads((job.out / "report.json").read_text()) if (job.out / "report.json").exists() else {}
+        write_report({**report, "drafter": recipe.name, "finished": report.get("finished", []), "preflight": record},
+                     job.out)
+        raise refusal(record, f"{recipe.vllm_weights} of {recipe.name}, untrained")
+    print(f"serving preflight: passed in {record['seconds']:.1f} s (vLLM read "
+          + ", ".join(f"{k}={v['server']}" for k, v in record["readings"].items()) + ")", flush=True)
+    return record
