@@ -49,10 +49,11 @@ BUDGET = {
     "medusa": ["stage1.epochs=1", "stage2.enabled=false"],
     "dflash": ["train.epochs=3"],
     "eagle3": ["train.epochs=2"],
+    "dspark": ["train.epochs=3"],
 }
-"""Each drafter's shorter training for the comparison (the default jobs train 2 + 0.4, 10 and 5 epochs)."""
+"""Each drafter's shorter training for the comparison (the default jobs train 2 + 0.4, 10, 5 and 10 epochs)."""
 
-EPOCHS = {"medusa": 1, "dflash": 3, "eagle3": 2}
+EPOCHS = {"medusa": 1, "dflash": 3, "eagle3": 2, "dspark": 3}
 
 EVAL = ["eval.temperatures=[0.0,0.7]", "eval.max_new_tokens=48",
         "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 12}, "
@@ -120,7 +121,7 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--drafters", default="medusa,dflash,eagle3")
+    parser.add_argument("--drafters", default="medusa,dflash,eagle3,dspark")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_objectives"))
     parser.add_argument("--table", action="store_true", help="print the runs already made, train nothing")

@@ -36,10 +36,10 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     assert report["dtype"] == "bfloat16" and report["drafter"] == job
     assert report["validation"] and all(math.isfinite(v) for v in report["validation"].values())
     assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
-    recipe = drafters.get(job)  # what it saves beside its exports and the export vLLM loads, in one dtype
-    for folder in [*recipe.saved_entries, recipe.vllm_weights]:
+    recipe = drafters.get(job)  # what it saves beside its exports and the export vLLM loads: weights in one dtype
+    for folder in [*recipe.saved_entries, recipe.vllm_weights]:  # (EAGLE-3's d2t/t2d vocabulary maps: int64, bool)
         files = list((tmp_path / folder).glob("*.safetensors"))
-        dtypes = {t.dtype for f in files for t in load_file(str(f)).values()}
+        dtypes = {t.dtype for f in files for t in load_file(str(f)).values() if t.is_floating_point()}
         assert files and dtypes == {torch.bfloat16}, (folder, dtypes)
 
 

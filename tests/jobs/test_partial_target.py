@@ -111,7 +111,7 @@ def test_online_features_and_regeneration_are_refused_naming_the_fix(tmp_path, c
 
 def test_a_partial_target_trains_under_fsdp2_on_two_processes(tmp_path, cache_dir):
     hs = tmp_path / "hs"
-    cache_states(_job("medusa", tmp_path / "cache", cache_dir, hs))
+    cache_states(_job("medusa", tmp_path / "cache", cache_dir, hs, "stage2.enabled=false"))  # the runs' layers
     own = [*SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", f"data.target_states_dir={hs}",
            "data.target_states_dtype=float32", "data.target_states=disk"]
     part = launch("medusa", tmp_path / "part", cache_dir, *own, "model.partial=true", engine="fsdp")
