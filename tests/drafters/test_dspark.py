@@ -353,6 +353,19 @@ def test_a_packed_batch_trains_what_its_rows_padded_train(tiny, drafter, online)
     assert_packed_trains_as_padded(strategy, rows)
 
 
+
+def _fit(strategy, batch, steps: int) -> list[tuple[float, dict]]:
+    """``steps`` AdamW steps (lr 1e-2) of ``strategy``'s drafter on one batch: each step's loss and metrics."""
+    optimizer = torch.optim.AdamW(strategy.module.drafter.parameters(), lr=1e-2)
+    history = []
+    for _ in range(steps):
+        loss, metrics = strategy.forward_loss(strategy.module, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        history.append((loss.item(), metrics))
+    return history
+
 def test_the_default_objective_trains_through_the_strategy(tiny):
     """Online, DeepSpec's mix and the confidence head: the loss falls and the confidence error shrinks."""
     from draftheads.data.batching import collate
@@ -361,14 +374,8 @@ def test_the_default_objective_trains_through_the_strategy(tiny):
     torch.manual_seed(0)
     d = DSparkDraftModel.for_target(model, 1, 5, LAYERS, choose_mask_token(tok, 512), markov_rank=8)
     strategy = DSparkTraining(d, model, 8, MIX, 1.0, online=True)
-    optimizer = torch.optim.AdamW(d.parameters(), lr=1e-2)
-    batch, history = collate(rows, tok.pad_token_id), []
-    for _ in range(40):
-        loss, metrics = strategy.forward_loss(strategy.module, batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        history.append((loss.item(), metrics["confidence_abs_error"].item()))
+    history = [(loss, metrics["confidence_abs_error"].item())
+               for loss, metrics in _fit(strategy, collate(rows, tok.pad_token_id), 40)]
     assert history[-1][0] < 0.7 * history[0][0] and history[-1][1] < history[0][1], history[::10]
 
 
@@ -576,14 +583,7 @@ def test_each_markov_head_trains_and_decodes_losslessly(tiny, kind):
     rows = feature_rows(model, (28, 24, 26, 20), None)
     d = _head(model, tok, kind)
     strategy = DSparkTraining(d, model, 8, MIX, 1.0, online=True)
-    optimizer = torch.optim.AdamW(d.parameters(), lr=1e-2)
-    batch, losses = collate(rows, tok.pad_token_id), []
-    for _ in range(25):
-        loss, _ = strategy.forward_loss(strategy.module, batch)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = [loss for loss, _ in _fit(strategy, collate(rows, tok.pad_token_id), 25)]
     assert losses[-1] < 0.7 * losses[0], losses[::5]
     extra = [n for n, _ in d.named_parameters() if n.startswith(("markov_head.gate_proj", "markov_head.joint_proj"))]
     assert (len(extra) == 2) == (kind != "vanilla")
