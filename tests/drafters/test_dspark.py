@@ -260,17 +260,23 @@ def test_a_drafter_that_knows_the_features_gets_whole_blocks_accepted(tiny):
     assert len(spec.tokens) / len(spec.accepted_per_step) > 3.5  # close to the block's 4 drafts + 1
 
 
-@pytest.mark.parametrize("proposal", list(Proposal))
-def test_sampled_dspark_decoding_matches_the_target_joint_distribution(proposal):
-    """First two generated tokens of a 5-token random Llama, drafted by a DSpark drafter whose Markov head
-    changes its proposals: speculative sampling against the exact joint (chi-square at 1e-3), drafts proposed
-    either way."""
+
+def _five_token_pair():
+    """A 5-token random Llama (seed 0, weights N(0, 0.5)) and a DSpark drafter on it whose Markov head changes
+    its proposals: the pair the chi-square tests sample from."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1)).eval()
     for p in model.parameters():
         p.data.normal_(0, 0.5)
-    d = _loud_markov(DSparkDraftModel.for_target(model, 1, 2, [0], 4, markov_rank=4)).eval()
+    return model, _loud_markov(DSparkDraftModel.for_target(model, 1, 2, [0], 4, markov_rank=4)).eval()
+
+@pytest.mark.parametrize("proposal", list(Proposal))
+def test_sampled_dspark_decoding_matches_the_target_joint_distribution(proposal):
+    """First two generated tokens of a 5-token random Llama, drafted by a DSpark drafter whose Markov head
+    changes its proposals: speculative sampling against the exact joint (chi-square at 1e-3), drafts proposed
+    either way."""
+    model, d = _five_token_pair()
     prompt, sampling = torch.tensor([1, 2, 3]), Sampling(temperature=0.8, proposal=proposal)
     gen = torch.Generator().manual_seed(3)
     chain = DSparkDrafter(d)
@@ -473,12 +479,7 @@ def test_sampled_adaptive_verification_matches_the_target_joint_distribution(pro
     here): the first three generated tokens against the exact joint (chi-square at 1e-3); three, so that a
     second step, whose budget the previous block's confidences size, decides some of them. Each proposal and each
     budget source once (all four pass; two keep the fast set fast)."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
-    for p in model.parameters():
-        p.data.normal_(0, 0.5)
-    d = _loud_markov(DSparkDraftModel.for_target(model, 1, 2, [0], 4, markov_rank=4)).eval()
+    model, d = _five_token_pair()
     with torch.no_grad():
         d.confidence_head.proj.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(2))
     prompt, sampling = torch.tensor([1, 2, 3]), Sampling(temperature=0.8, proposal=Proposal(proposal))
