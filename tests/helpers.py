@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from draftheads.data.batching import collate, pack
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters import register_configs
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 from draftheads.models.speculative import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]

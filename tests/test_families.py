@@ -20,8 +20,8 @@ from draftheads.data.templates import chat_tokens, stop_token_ids
 from draftheads.drafters.medusa.export import load_tgi_medusa
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.jobs.evaluate import evaluate_run
-from draftheads.jobs.runs import open_run
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
+from draftheads.runs.saved import open_run
 from draftheads.models.decoding import cut_at_stop
 from draftheads.models.speculative import Sampling, plain_decode
 from draftheads.models.target import TargetSpec, decoder_layers, hidden_states_from, load_target, record_layer_outputs

@@ -19,7 +19,7 @@ import hydra
 from omegaconf import DictConfig
 
 from draftheads.drafters import register_configs
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 
 register_configs()
 

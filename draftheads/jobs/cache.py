@@ -13,8 +13,9 @@ from draftheads.data.state_cache import (bytes_per_token, estimated_bytes, footp
                                          shard_indices, source_dtype, write_cache, write_manifest)
 from draftheads.data.vllm_states import vllm_states
 from draftheads.evaluation.vllm_env import ensure_vllm
+from draftheads.runs.life import close_job, open_job
+from draftheads.runs.rows import job_rows, state_cache_dir, state_cache_spec
 from draftheads.training.config import TargetBackend
-from draftheads.training.job import close_job, job_rows, open_job, state_cache_dir, state_cache_spec
 from draftheads.training.runtime import print0
 
 
@@ -26,7 +27,7 @@ def cache_states(cfg: DictConfig) -> Path:
     With ``target_backend=vllm`` vLLM computes them (one process: vLLM brings its own parallelism) and this
     job holds only the target's ends (``model.partial``).
 
-    Its output_dir is claimed as a training job's is (:func:`~draftheads.training.job.claim_output_dir`): one
+    Its output_dir is claimed as a training job's is (:func:`~draftheads.runs.output_dir.claim_output_dir`): one
     holding no run (nothing, or a state cache build) is taken, and the training job may then run there reading
     the cache; one holding a training run is refused, whose ``config.yaml`` and ``target.json`` this job would
     replace (``overwrite=true`` deletes that run but the cache).

@@ -14,8 +14,10 @@ from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
-from draftheads.jobs.runs import evaluate_drafter, load_peer_runs, open_run, vllm_serving
-from draftheads.training.job import TARGET_FILE
+from draftheads.runs.life import evaluate_drafter
+from draftheads.runs.output_dir import TARGET_FILE
+from draftheads.runs.preflight import vllm_serving
+from draftheads.runs.saved import load_peer_runs, open_run
 
 
 def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None = None, backend: str = "transformers",
@@ -29,7 +31,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     ``backend="vllm"``: the target is not loaded here (only its ends, ``model.partial``, to read the drafter);
     vLLM decodes with the run's export and without it, greedily, in its own environment (``vllm_venv``, made on
     first use at ``$DRAFTHEADS_CACHE/vllm-venv``): :func:`~draftheads.evaluation.vllm_eval.evaluate_in_vllm`, no
-    peers. Raises ``ValueError`` for another backend, and what :func:`~draftheads.jobs.runs.open_run` raises:
+    peers. Raises ``ValueError`` for another backend, and what :func:`~draftheads.runs.saved.open_run` raises:
     ``FileNotFoundError`` for a run that has not finished its save (``resume=true`` finishes it), ``ValueError``
     for overrides choosing another target than the one its drafter was trained with."""
     if backend not in ("transformers", "vllm"):
@@ -66,7 +68,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
 def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
     """Every eval set measured in vLLM with the run's export (greedy; see :func:`evaluate_in_vllm`), with the
     run's ``vllm.*`` parallelism; a vLLM without the drafter's method is refused first
-    (:func:`~draftheads.jobs.runs.vllm_serving`)."""
+    (:func:`~draftheads.runs.preflight.vllm_serving`)."""
     spec = run.recipe.vllm_config(run.folder, conf, run.trained)
     python = vllm_serving(run.recipe, spec["method"], vllm_venv)  # a vLLM without the method: refused here
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftheads.jobs.cli import parse_args
-from draftheads.jobs.runs import open_run
+from draftheads.runs.saved import open_run
 
 
 def export_run(run_dir: Path, overrides: list[str] = ()) -> dict[str, str]:
     """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter, and each one's
     ``serving.json`` (:meth:`~draftheads.training.recipe.Recipe.write_serving`); returns ``{format: folder}``
     (empty for a drafter whose saved model is its export, like DFlash's). Raises what
-    :func:`~draftheads.jobs.runs.open_run` raises: ``FileNotFoundError`` for a run that has not finished its save
+    :func:`~draftheads.runs.saved.open_run` raises: ``FileNotFoundError`` for a run that has not finished its save
     (``resume=true`` finishes it), ``ValueError`` for overrides choosing another target than its drafter's."""
     run = open_run(run_dir, overrides)
     paths = run.recipe.export(Path(run_dir), run.target, run.trained)

@@ -13,7 +13,8 @@ from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
 from draftheads.evaluation.vllm_env import VLLM
 from draftheads.jobs.cli import parse_args
-from draftheads.jobs.runs import open_run, vllm_serving
+from draftheads.runs.preflight import vllm_serving
+from draftheads.runs.saved import open_run
 
 
 def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = None, serve: bool = False) -> list[dict]:
@@ -22,7 +23,7 @@ def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = Non
     ``serve`` also its OpenAI server). Prints the table, writes ``<run>/vllm_parity.json``; raises
     ``SystemExit(1)`` without parity. The vLLM environment is made on first use
     (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``); one whose vLLM lacks the drafter's method is refused
-    before any engine starts (``ValueError``, :func:`~draftheads.jobs.runs.vllm_serving`)."""
+    before any engine starts (``ValueError``, :func:`~draftheads.runs.preflight.vllm_serving`)."""
     run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)  # refused before vLLM is set up
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = run.recipe.chain(run.conf, run.trained, run.target)

@@ -443,9 +443,9 @@ class RunConfig:
     """Continue from the latest checkpoint in output_dir."""
     overwrite: bool = False
     """Start afresh in an output_dir that holds a training run: the old run's files (``RUN_ENTRIES`` in
-    draftheads/training/job.py: checkpoints, report, saved drafter, exports, tracker files) are deleted first, all
-    but the state cache this job reads (``data.target_states=disk``); a folder that also holds files no run
-    writes is refused. Without it such an output_dir is refused unless resuming."""
+    draftheads/runs/output_dir.py: checkpoints, ledger, report, saved drafter, exports, tracker files) are
+    deleted first, all but the state cache this job reads (``data.target_states=disk``); a folder that also holds
+    files no run writes is refused. Without it such an output_dir is refused unless resuming."""
     export: bool = True
     """Write the drafter's server formats under output_dir/export at the end (a drafter whose export is also
     its saved model, like DFlash's export/dflash, writes it either way)."""

@@ -50,7 +50,7 @@ class Trained:
 
 class Recipe:
     """One drafter: what it does differently from every other. ``job`` arguments are
-    :class:`draftheads.training.job.Job`; ``conf`` is the drafter's ``schema`` instance. The defaults here are
+    :class:`draftheads.runs.life.Job`; ``conf`` is the drafter's ``schema`` instance. The defaults here are
     what most drafters do; a recipe overrides what is its own (:class:`FeatureRecipe` for drafters on target
     layers)."""
     name: str

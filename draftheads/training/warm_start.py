@@ -26,7 +26,6 @@ weights) is what a warm start is for (docs/refresh.md).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from draftheads.training.checkpoint import complete_checkpoints
+from draftheads.training.ledger import finished_steps
 
 RUN_CONFIG = "config.yaml"
 """What marks a folder as a run (the config every run saves); any other folder is read as an export."""
@@ -70,9 +70,9 @@ def applies(recipe, conf) -> bool:
 def read_source(recipe, conf, target) -> Source:
     """The drafter ``<recipe.name>.init_from`` names, read for ``target`` by the loader of the drafter that saved
     it: the recipe's own or one of its ``bases``. A run folder says its drafter (its ``config.yaml``) and must have
-    finished its save (``report.json``); an export folder is read by each candidate's loader in turn. Reading
-    draws nothing from the global RNG (a loader builds its module before loading into it), so a warm-started run
-    draws its data order and fresh weights as a run from scratch does.
+    finished its save (its ledger, ``progress.json``); an export folder is read by each candidate's loader in
+    turn. Reading draws nothing from the global RNG (a loader builds its module before loading into it), so a
+    warm-started run draws its data order and fresh weights as a run from scratch does.
 
     Raises ``FileNotFoundError`` for a path that is not there, a run that has not finished its save, a folder
     holding no drafter; ``ValueError`` for a run of a drafter this one cannot start from, or a drafter the loader
@@ -110,10 +110,10 @@ def _read_source(recipe, conf, target) -> Source:
 
 
 def _check_finished(path: Path, key: str) -> None:
-    """``FileNotFoundError`` unless the run's ``report.json`` lists its save among the finished steps (a report
-    without ``finished`` was written by a version that wrote it after the save only)."""
-    report = path / "report.json"
-    finished = json.loads(report.read_text()).get("finished", ["save"]) if report.exists() else []
+    """``FileNotFoundError`` unless the run's ledger lists its save among the finished steps
+    (:func:`~draftheads.training.ledger.finished_steps`: a run folder of an older version, without a ledger, by
+    its ``report.json``)."""
+    finished = finished_steps(path) or []
     if "save" not in finished:
         raise FileNotFoundError(f"{key}={path}: the run has not finished its save (finished: {finished}); resume it "
                                 f"first (resume=true)")

@@ -61,8 +61,9 @@ from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.drafters import register_configs
 from draftheads.drafters.medusa.validation import validate
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.jobs.runs import evaluate_drafter, open_run
-from draftheads.training.job import close_job, job_rows, open_job
+from draftheads.runs.life import close_job, evaluate_drafter, open_job
+from draftheads.runs.rows import job_rows
+from draftheads.runs.saved import open_run
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("reference_medusa_driver.py")

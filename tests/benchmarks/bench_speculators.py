@@ -91,8 +91,10 @@ from draftheads import drafters
 from draftheads.drafters import register_configs
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.vllm_env import ensure_vllm
-from draftheads.jobs.runs import evaluate_drafter, open_run
-from draftheads.training.job import close_job, job_rows, open_job
+from draftheads.runs.life import close_job, evaluate_drafter, open_job
+from draftheads.runs.rows import job_rows
+from draftheads.runs.saved import open_run
+from draftheads.training.ledger import record_finished
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("speculators_driver.py")
@@ -313,13 +315,14 @@ def to_draftheads(name: str, folder: Path, target) -> torch.nn.Module:
 
 
 def shadow_run(run_dir: Path, name: str, folder: Path) -> Path:
-    """A run folder of its own for an export: draftheads' run's ``config.yaml`` and ``target.json``, a report that
-    says the save is done, and ``export/<name>`` = ``folder``, so that ``train/evaluate.py`` and
-    ``train/vllm_parity.py`` measure it as they measure draftheads' own."""
+    """A run folder of its own for an export: draftheads' run's ``config.yaml`` and ``target.json``, a ledger
+    (and a report) that says the save is done, and ``export/<name>`` = ``folder``, so that ``train/evaluate.py``
+    and ``train/vllm_parity.py`` measure it as they measure draftheads' own."""
     shadow = folder.parent / f"{folder.name}-run"
     (shadow / "export").mkdir(parents=True, exist_ok=True)
     for entry in ("config.yaml", "target.json"):
         shutil.copy(run_dir / entry, shadow / entry)
+    record_finished(shadow, name, ["training", "validation", "save", "export"])
     (shadow / "report.json").write_text(json.dumps({"drafter": name, "finished": ["training", "validation", "save",
                                                                                   "export"]}))
     target = shadow / "export" / name

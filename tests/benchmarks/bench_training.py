@@ -39,7 +39,7 @@ from hydra import compose, initialize_config_dir
 
 from draftheads.drafters import register_configs
 from draftheads.jobs.cache import cache_states
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 
 ROOT = Path(__file__).resolve().parents[2]
 

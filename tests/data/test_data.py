@@ -22,7 +22,8 @@ from draftheads.data.regenerate import GenerationSettings, Regenerated, Transfor
 from draftheads.data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
                           PromptSource, chitchat_prompts, humaneval_prompts)
 from draftheads.models.target import TINY, TargetSpec, load_target
-from draftheads.training.job import job_rows, open_job
+from draftheads.runs.life import open_job
+from draftheads.runs.rows import job_rows
 from tests.helpers import ROOT, smoke
 
 ALL = 10**9  # a limit no source reaches

@@ -16,7 +16,7 @@ from draftheads.data.state_cache import (CacheSpec, cache_spec, estimated_bytes,
                                          read_cache, source_dtype, write_cache, write_manifest)
 from draftheads import drafters
 from draftheads.jobs.cache import cache_states
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 from draftheads.models.target import record_layer_outputs
 from tests.helpers import ROOT, SMOKE_STAGES, VLLM_TINY, VLLM_VENV, run_dflash, run_eagle3, run_medusa, smoke
 

@@ -17,7 +17,7 @@ from draftheads.data.regenerate import cache_key, prompt_ids, target_prompt_ids
 from draftheads.data.sources import PromptSource
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 from draftheads.models.speculative import plain_decode
 from draftheads.models.target import TargetSpec, load_target
 from draftheads.training.config import DataConfig, EvalConfig, EvalSetConfig, to_schema

@@ -13,11 +13,11 @@ from draftheads import drafters
 from draftheads.drafters.eagle3 import export as eagle3_export
 from draftheads.evaluation import preflight as preflight_module
 from draftheads.evaluation.preflight import Expect, PreflightMismatch, check, mismatches, refusal
-from draftheads.jobs import preflight as job_preflight
-from draftheads.jobs import train as train_module
-from draftheads.jobs.preflight import VENV_VARIABLE, preflight_python
-from draftheads.jobs.train import train
 from draftheads.models.target import TINY, TargetSpec, load_target
+from draftheads.runs import life as train_module
+from draftheads.runs import preflight as job_preflight
+from draftheads.runs.life import train
+from draftheads.runs.preflight import VENV_VARIABLE, preflight_python
 from draftheads.training.config import to_schema
 from tests.helpers import VLLM_TINY, VLLM_VENV, smoke
 

@@ -15,7 +15,7 @@ import pytest
 from draftheads import drafters
 from draftheads.evaluation.serving import SERVERS, SERVING_FILE, matrix_markdown
 from draftheads.evaluation.vllm_env import probe_vllm
-from draftheads.jobs.runs import vllm_serving
+from draftheads.runs.preflight import vllm_serving
 from draftheads.models.target import TargetSpec
 from tests.helpers import ROOT, VLLM_VENV, smoke
 
@@ -155,7 +155,7 @@ def runs(tmp_path_factory, cache_dir):
     """A finished smoke run of every registered drafter (no evaluation), by name."""
     from accelerate.state import AcceleratorState
 
-    from draftheads.jobs.train import train
+    from draftheads.runs.life import train
     out = {}
     for name in drafters.DRAFTERS:
         folder = tmp_path_factory.mktemp(name)
@@ -170,7 +170,7 @@ def runs(tmp_path_factory, cache_dir):
 @pytest.mark.parametrize("name", sorted(drafters.DRAFTERS))
 def test_a_smoke_run_and_its_re_export_write_serving_json_that_its_loaders_pass_over(name, runs):
     from draftheads.jobs.export import export_run
-    from draftheads.jobs.runs import open_run
+    from draftheads.runs.saved import open_run
     run, recipe = runs[name], drafters.get(name)
     exports = [e for e in dict.fromkeys(r.export for r in recipe.serving) if (run / e / "config.json").is_file()]
     assert recipe.vllm_weights in exports

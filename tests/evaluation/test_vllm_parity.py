@@ -10,7 +10,7 @@ import torch
 
 from draftheads import drafters
 from draftheads.models.speculative import speculative_decode
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, smoke
 from draftheads.evaluation.parity import TOLERANCE, acceptance, compare, our_side
 from draftheads.evaluation.vllm_runner import parse_prometheus

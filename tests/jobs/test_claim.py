@@ -7,7 +7,7 @@ import json
 import pytest
 
 from draftheads.jobs.cache import cache_states
-from draftheads.training.job import claim_output_dir
+from draftheads.runs.output_dir import claim_output_dir
 from tests.helpers import run_medusa, smoke
 
 FINISHED = {"drafter": "medusa", "finished": ["training", "validation", "save"]}
@@ -33,9 +33,9 @@ def test_an_overwriting_run_keeps_nothing_of_the_old_one_but_the_state_cache_it_
     with pytest.raises(ValueError, match="num_val_prompts"):  # interrupted right after the claim
         run_medusa(smoke("medusa", out, cache_dir, "overwrite=true", f"data.target_states={target_states}",
                          "data.num_val_prompts=0"))
-    assert {p.name for p in out.iterdir()} == {"config.yaml", "target.json", "report.json", *kept}
+    assert {p.name for p in out.iterdir()} == {"config.yaml", "target.json", "progress.json", "report.json", *kept}
     assert "old" not in {(out / name).read_text() for name in ("config.yaml", "target.json")}
-    assert json.loads((out / "report.json").read_text())["finished"] == []
+    assert json.loads((out / "progress.json").read_text())["finished"] == []
     assert not kept or (out / "hidden_states" / "manifest.json").read_text() == "old"
 
 

@@ -14,7 +14,7 @@ from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.dflash.export import load_dflash
 from draftheads.jobs.evaluate import cli as evaluate_main
 from draftheads.jobs.export import cli as export_main
-from draftheads.jobs.runs import load_peer_runs, peer_methods
+from draftheads.runs.saved import load_peer_runs, peer_methods
 from draftheads.models.speculative import Sampling, plain_decode
 from draftheads.models.target import TINY, TargetSpec, load_target
 from tests.helpers import cut_back, greedy_lossless, launch, run_dflash, run_medusa

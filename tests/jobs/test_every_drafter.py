@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftheads import drafters
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 from draftheads.training import lm_head_loss
 from draftheads.training.config import to_schema
 from draftheads.training.lm_head_loss import linear_loss

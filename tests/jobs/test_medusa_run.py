@@ -109,17 +109,18 @@ def test_resuming_a_finished_run_does_nothing(smoke_run, cache_dir):
 
 def test_a_new_run_into_a_runs_folder_is_refused_or_starts_afresh(smoke_run, tmp_path, cache_dir):
     """Without resume a folder holding a run is refused before any work (nothing of it changes); with overwrite
-    its report is replaced at once, so a rerun that then fails leaves a report saying nothing finished."""
+    its ledger and report are replaced at once, so a rerun that then fails leaves them saying nothing finished."""
     out, _ = smoke_run
     rerun = tmp_path / "rerun"
     rerun.mkdir()
-    shutil.copy(out / "report.json", rerun / "report.json")
+    for name in ("progress.json", "report.json"):
+        shutil.copy(out / name, rerun / name)
     with pytest.raises(FileExistsError, match="resume=true continues it, overwrite=true starts afresh there"):
         run(smoke_cfg(rerun, cache_dir))
-    assert (rerun / "report.json").read_bytes() == (out / "report.json").read_bytes()
+    assert all((rerun / name).read_bytes() == (out / name).read_bytes() for name in ("progress.json", "report.json"))
     with pytest.raises(ValueError, match="num_val_prompts"):
         run(smoke_cfg(rerun, cache_dir, "overwrite=true", "data.num_val_prompts=0"))
-    assert json.loads((rerun / "report.json").read_text())["finished"] == []
+    assert all(json.loads((rerun / name).read_text())["finished"] == [] for name in ("progress.json", "report.json"))
     assert not (rerun / "checkpoints").exists()
 
 

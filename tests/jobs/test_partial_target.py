@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from draftheads.data.state_cache import weights_fingerprint
 from draftheads import drafters
 from draftheads.jobs.cache import cache_states
-from draftheads.jobs.train import train
+from draftheads.runs.life import train
 from draftheads.models.partial import hold_layers, is_partial, load_partial_model, part_names, save_partial
 from draftheads.models.target import TargetSpec, decoder_layers, load_target, weights_sample
 from tests.helpers import SMOKE_STAGES, launch, run_dflash, run_medusa, smoke

@@ -12,7 +12,7 @@ import pytest
 
 from draftheads.jobs.evaluate import evaluate_run
 from draftheads.jobs.export import export_run
-from draftheads.jobs.runs import load_peer_runs, open_run
+from draftheads.runs.saved import load_peer_runs, open_run
 from draftheads.models.target import TINY, TargetSpec, load_target, resolve_target_path
 from draftheads.models.tiny import TinySpec
 from tests.helpers import SMOKE_STAGES, run_medusa, smoke
@@ -124,13 +124,15 @@ def test_a_base_target_other_than_the_one_trained_against_is_refused(base_run, c
 
 
 def _unfinished(run: Path, dest: Path, finished: list[str] | None) -> Path:
-    """A copy of ``run`` whose report says only ``finished`` steps finished (None: no report): a run killed
-    before its save, or a new run started over it, leaves the old drafter beside such a report."""
+    """A copy of ``run`` whose ledger says only ``finished`` steps finished (None: neither ledger nor report): a
+    run killed before its save, or a new run started over it, leaves the old drafter beside such a ledger. Its
+    report still says every step finished: only the ledger is read back."""
     copy = _copy(run, dest)
     if finished is None:
+        (copy / "progress.json").unlink()
         (copy / "report.json").unlink()
     else:
-        _edit_json(copy / "report.json", finished=finished)
+        _edit_json(copy / "progress.json", finished=finished)
     return copy
 
 

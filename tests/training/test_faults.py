@@ -20,7 +20,7 @@ from torch import nn
 
 from draftheads.training.checkpoint import complete_checkpoints, latest_checkpoint
 from draftheads.training.config import StageConfig, TrainerConfig
-from draftheads.training.job import check_writable
+from draftheads.runs.output_dir import check_writable
 from draftheads.training.spine import fit
 from tests.helpers import ROOT, SMOKE_STAGES, cut_back, run_medusa, smoke
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from draftheads import drafters
-from draftheads.jobs import train as train_job
-from draftheads.jobs.train import train
+from draftheads.runs import life as train_job
+from draftheads.runs.life import train
 from draftheads.training.config import DrafterConfig, to_schema
 from draftheads.training.warm_start import Source, load_source
 from tests.helpers import cut_back, smoke

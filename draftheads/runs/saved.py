@@ -1,5 +1,5 @@
-"""Finished runs read back: a run's drafter, config and target (for re-evaluation, export and parity), and
-other runs measured beside it (``eval.peer_runs``)."""
+"""Finished runs read back: a run's drafter, config and target (for re-evaluation, export and parity), whether it
+finished its save (its ledger), and other runs measured beside it (``eval.peer_runs``)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from omegaconf import OmegaConf
 
 from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
-from draftheads.evaluation.methods import evaluate_methods, prompt_lookup_peer
-from draftheads.evaluation.serving import check_vllm_serves
-from draftheads.evaluation.vllm_env import ensure_vllm, probe_vllm
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import Dtype, TargetSpec, load_target, model_identity, resolve_target_path
+from draftheads.runs.output_dir import TARGET_FILE, target_record
 from draftheads.training.config import apply_generation_defaults
-from draftheads.training.job import TARGET_FILE, target_record
+from draftheads.training.ledger import LEDGER, finished_steps
 from draftheads.training.recipe import Recipe, Trained
 
 
@@ -74,15 +72,15 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
 
 
 def check_finished(folder: Path, recipe: Recipe) -> None:
-    """``FileNotFoundError`` unless ``folder``'s ``report.json`` lists the save among the steps the run
-    finished: a run killed before its save, or a new run started over an old one, holds no drafter of its own
-    config (whatever an older run left there); ``resume=true`` finishes it. A report without ``finished`` was
-    written by a version that wrote it after the save only."""
-    path = folder / "report.json"
-    finished = json.loads(path.read_text()).get("finished", ["save"]) if path.exists() else []
+    """``FileNotFoundError`` unless ``folder``'s ledger (``progress.json``) lists the save among the steps the
+    run finished: a run killed before its save, or a new run started over an old one, holds no drafter of its
+    own config (whatever an older run left there); ``resume=true`` finishes it. ``report.json`` is not read: a
+    run folder of an older version, without a ledger, is read by its ``report.json`` as that version was
+    (:func:`~draftheads.training.ledger.finished_steps`)."""
+    finished = finished_steps(folder) or []
     if "save" not in finished:
-        raise FileNotFoundError(f"{path}: the run has not finished its save (finished: {finished}), so no drafter "
-                                f"there is known to be its config's; resume=true finishes it: rerun "
+        raise FileNotFoundError(f"{folder / LEDGER}: the run has not finished its save (finished: {finished}), so "
+                                f"no drafter there is known to be its config's; resume=true finishes it: rerun "
                                 f"train/{recipe.name}.py as it was started, with resume=true")
 
 
@@ -195,36 +193,3 @@ def _against(target, decode, max_new_tokens: int, stop) -> Callable:
         result.reference = plain_decode(target, ids, max_new_tokens, stop).tokens
         return result
     return run
-
-
-def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, eval_sets: dict,
-                     peers: list[PeerRun] = ()) -> dict:
-    """Speculative evaluation of ``trained`` (its chain) beside its own methods, the peer runs' and prompt
-    lookup, on every eval set and temperature (:func:`draftheads.evaluation.methods.evaluate_methods`)."""
-    drafter = recipe.chain(conf, trained, target)
-
-    def peers_at(sampling: Sampling) -> dict:
-        own = recipe.peers(conf, trained, target, tokenizer, sampling)
-        own |= peer_methods(conf, list(peers), tokenizer, sampling, {drafter.name, *own}, target)
-        return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
-
-    return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at, conf.model.generation_defaults)
-
-
-def vllm_serving(recipe: Recipe, method: str, vllm_venv: str | None = None) -> Path:
-    """The python of the vLLM environment (``vllm_venv``, made on first use by
-    :func:`~draftheads.evaluation.vllm_env.ensure_vllm`) once its vLLM is known to serve ``method``, ``recipe``'s
-    speculative method: its version and methods are read from its source (no engine started). Raises
-    ``ValueError`` for a vLLM without the method, naming the last vLLM that serves it (``recipe``'s serving row
-    for ``recipe.vllm_weights``) and the registered drafters this one serves
-    (:func:`~draftheads.evaluation.serving.check_vllm_serves`)."""
-    python = ensure_vllm(vllm_venv)
-    rows = {}
-    for name in drafters.DRAFTERS:
-        try:
-            rows[name] = drafters.get(name).served(drafters.get(name).vllm_weights)
-        except KeyError:  # a drafter that declares no row is named by none
-            pass
-    check_vllm_serves(method, probe_vllm(python), rows.get(recipe.name), {n: r.method for n, r in rows.items()},
-                      str(python))
-    return python

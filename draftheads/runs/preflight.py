@@ -1,6 +1,7 @@
 """A training job's serving preflight (``serving.preflight``): whether it runs, and running it, before the job
 computes any target state (:mod:`draftheads.evaluation.preflight` holds the comparison; docs/serving.md,
-"Preflight")."""
+"Preflight"); and the vLLM environment every vLLM tool runs in, once its vLLM is known to serve the drafter
+(:func:`vllm_serving`)."""
 
 from __future__ import annotations
 
@@ -10,19 +11,23 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from draftheads import drafters
 from draftheads.data.regenerate import prompt_ids
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import write_report
 from draftheads.evaluation.preflight import MAX_MODEL_LEN, PROMPT, Expect, preflight_job, refusal, run_preflight
-from draftheads.evaluation.serving import SERVERS
-from draftheads.evaluation.vllm_env import probe_vllm
-from draftheads.jobs.runs import vllm_serving
+from draftheads.evaluation.serving import SERVERS, check_vllm_serves
+from draftheads.evaluation.vllm_env import ensure_vllm, probe_vllm
 from draftheads.training.config import Preflight
-from draftheads.training.job import Job
+from draftheads.training.ledger import finished_steps
 from draftheads.training.recipe import Recipe
+
+if TYPE_CHECKING:  # the life opens the job and runs its preflight
+    from draftheads.runs.life import Job
 
 VENV_VARIABLE = "DRAFTHEADS_VLLM_VENV"
 """Names the vLLM environment when ``vllm.venv`` does not (the one CI and the vLLM tests use)."""
@@ -34,7 +39,7 @@ def preflight_python(job: Job, recipe: Recipe) -> tuple[Path | None, str]:
     vLLM does not serve the drafter's method or is no vLLM of the serving matrix whose cell says it loads the
     export, or runs it on GPUs only (:attr:`~draftheads.evaluation.serving.Cell.cpu`) on a machine without one.
     Raises ``ValueError`` with ``on`` for a vLLM that does not serve the method
-    (:func:`~draftheads.jobs.runs.vllm_serving`, which makes the environment on first use)."""
+    (:func:`vllm_serving`, which makes the environment on first use)."""
     mode, venv = job.conf.serving.preflight, job.conf.vllm.venv or os.environ.get(VENV_VARIABLE)
     if mode == Preflight.off:
         return None, "serving.preflight=off"
@@ -107,9 +112,28 @@ def serving_preflight(job: Job, recipe: Recipe) -> dict:
     record = {"mode": mode, "ran": True, **record, "seconds": round(time.perf_counter() - start, 1)}
     if not record["passed"]:
         report = json.loads((job.out / "report.json").read_text()) if (job.out / "report.json").exists() else {}
-        write_report({**report, "drafter": recipe.name, "finished": report.get("finished", []), "preflight": record},
+        write_report({**report, "drafter": recipe.name, "finished": finished_steps(job.out) or [], "preflight": record},
                      job.out)
         raise refusal(record, f"{recipe.vllm_weights} of {recipe.name}, untrained")
     print(f"serving preflight: passed in {record['seconds']:.1f} s (vLLM read "
           + ", ".join(f"{k}={v['server']}" for k, v in record["readings"].items()) + ")", flush=True)
     return record
+
+
+def vllm_serving(recipe: Recipe, method: str, vllm_venv: str | None = None) -> Path:
+    """The python of the vLLM environment (``vllm_venv``, made on first use by
+    :func:`~draftheads.evaluation.vllm_env.ensure_vllm`) once its vLLM is known to serve ``method``, ``recipe``'s
+    speculative method: its version and methods are read from its source (no engine started). Raises
+    ``ValueError`` for a vLLM without the method, naming the last vLLM that serves it (``recipe``'s serving row
+    for ``recipe.vllm_weights``) and the registered drafters this one serves
+    (:func:`~draftheads.evaluation.serving.check_vllm_serves`)."""
+    python = ensure_vllm(vllm_venv)
+    rows = {}
+    for name in drafters.DRAFTERS:
+        try:
+            rows[name] = drafters.get(name).served(drafters.get(name).vllm_weights)
+        except KeyError:  # a drafter that declares no row is named by none
+            pass
+    check_vllm_serves(method, probe_vllm(python), rows.get(recipe.name), {n: r.method for n, r in rows.items()},
+                      str(python))
+    return python

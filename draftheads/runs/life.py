@@ -1,0 +1,247 @@
+"""A training run's life, for any registered drafter, read top to bottom: open, train, finish, evaluate, close.
+
+    open the job (config, accelerator, target, eval sets, the recipe's checks, resume point, peer runs)
+    -> the serving preflight (vLLM reads the untrained export as meant)
+    -> self-distilled rows and target states -> the recipe's stages on the spine
+    -> rank 0: validate, save, export -> report.json (atomic) -> evaluate -> report.json again
+
+Everything that can fail runs before training; nothing that fails after it loses the trained drafter: it is
+saved and exported before evaluation, and the run's ledger (``progress.json``,
+:mod:`draftheads.training.ledger`) says which steps finished. What is not the life itself lives beside it:
+claiming the output folder (:mod:`~draftheads.runs.output_dir`), the rows (:mod:`~draftheads.runs.rows`), the
+preflight (:mod:`~draftheads.runs.preflight`), finished and peer runs read back (:mod:`~draftheads.runs.saved`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+
+from draftheads import drafters
+from draftheads.data.templates import stop_token_ids
+from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
+from draftheads.evaluation.methods import evaluate_methods, load_eval_sets, prompt_lookup_peer
+from draftheads.models.decoding import GenerationDefaults, generation_defaults
+from draftheads.models.partial import place
+from draftheads.models.speculative import Sampling
+from draftheads.models.target import load_target, model_identity, resolve_target_path
+from draftheads.runs.output_dir import TARGET_FILE, check_writable, claim_job_dir, target_record
+from draftheads.runs.preflight import serving_preflight
+from draftheads.runs.rows import job_rows
+from draftheads.runs.saved import PeerRun, load_peer_runs, peer_methods
+from draftheads.training.checkpoint import latest_checkpoint
+from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
+from draftheads.training.ledger import finished_steps, record_finished, start_ledger
+from draftheads.training.recipe import Recipe, Trained
+from draftheads.training.runtime import distributed, make_accelerator, print0, start_tracker
+
+
+@dataclass
+class Job:
+    """An open run on this process."""
+    conf: RunConfig
+    accelerator: Accelerator
+    out: Path
+    eval_sets: dict[str, list]
+    target: object
+    tokenizer: object
+    target_path: str
+    identity: dict
+    resume: tuple[Path, dict] | None
+    """The checkpoint to continue from (``resume=true``) and its meta."""
+
+
+def train(name: str, cfg: DictConfig) -> dict:
+    """The whole job of drafter ``name`` for a composed config; returns the report (main process) or {}.
+    With ``resume=true``, a run whose ledger lists every step its config asks for does nothing (the report it
+    returns is read only to return it)."""
+    recipe = drafters.get(name)
+    job = open_job(cfg, recipe)
+    finished = finished_steps(job.out) or []
+    if job.conf.resume and set(_steps(job.conf)) <= set(finished):
+        print(f"{job.out} finished already ({', '.join(finished)}): nothing to resume", flush=True)
+        return close_job(job, _report(job.out) if job.accelerator.is_main_process else {})
+    # an old ledger or report must not look like this run's; this ledger, nothing finished, lets a rerun claim the
+    # folder until a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no
+    # corrected rerun
+    if job.accelerator.is_main_process and not job.conf.resume:
+        start_ledger(job.out, recipe.name)
+        write_report({"drafter": recipe.name, "finished": [],
+                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
+    preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
+    job.accelerator.wait_for_everyone()
+    train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
+                                                 attach=job.conf.data.target_states != TargetStates.online,
+                                                 unusable=recipe.unusable)
+    trained = recipe.train(job, train_rows)
+    report = {}
+    if job.accelerator.is_main_process:
+        report = finish_run(job, recipe, trained, val_rows, {"preflight": preflight, "data": data_report.as_dict(),
+                                                             "train_curves": trained.curves})
+    return close_job(job, report)
+
+
+def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
+    """Typed config, accelerator and tracker, the target on this process's device, eval sets (read with its
+    tokenizer, which long sets count with: a bad file fails now, not after training), ``recipe.check`` (settings
+    that would fail later), the resume point, and ``config.yaml`` and ``target.json`` in the run directory.
+    ``recipe`` None opens a job that trains nothing (a state cache build).
+
+    Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, what
+    ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint of another target or of a stage not
+    in ``recipe.stages``; ``FileExistsError`` for an output_dir holding a training run
+    (:func:`~draftheads.runs.output_dir.claim_output_dir`) — before any work.
+    """
+    conf = to_schema(cfg)
+    if recipe is not None and conf.drafter != recipe.name:
+        raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
+    if conf.model.partial and recipe is not None:
+        check_partial(conf)
+    out = Path(conf.output_dir)
+    claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
+    accelerator = make_accelerator(cfg)
+    if accelerator.is_main_process:
+        check_writable(out)
+        claim_job_dir(conf, recipe, delete=True)
+    accelerator.wait_for_everyone()
+    start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's tracker files are gone
+    with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
+        target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
+    eval_sets = load_eval_sets(conf.eval, tokenizer)  # long sets count the target's tokens
+    place(target, accelerator.device)
+    set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
+    identity = model_identity(target, conf.model)
+    print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
+                        f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
+    apply_generation_defaults(conf, target.generation_config)
+    print0(accelerator, decoding_line(conf, target, tokenizer))
+    if recipe is not None:
+        recipe.check(conf, target)
+    resume = latest_checkpoint(out, identity, recipe.stages) if recipe is not None and conf.resume else None
+    if accelerator.is_main_process:
+        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+        (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
+    return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+
+
+def check_partial(conf: RunConfig) -> None:
+    """``model.partial=true`` trains from cached states only: ``ValueError`` saying what to change when the run
+    would run the target's decoder layers (states computed in the run or per batch, the evaluator), before any
+    work. Answers still to regenerate are refused where regeneration starts; a recipe refuses its own stages in
+    ``check`` (Medusa's stage 2)."""
+    if conf.data.target_states != TargetStates.disk:
+        raise ValueError(f"model.partial=true holds no decoder layer to compute states with (data.target_states="
+                         f"{conf.data.target_states}): use data.target_states=disk with a cache made by "
+                         f"train/cache_hidden_states.py (whole target)")
+    if conf.eval.enabled:
+        raise ValueError("model.partial=true: the evaluator decodes with the whole target; set eval.enabled=false and "
+                         "evaluate afterwards with train/evaluate.py RUN where the target fits")
+
+
+def decoding_line(conf, target, tokenizer) -> str:
+    """What every path decodes with: the stop set, and the target's ``generation_config`` defaults ignored or
+    applied (:func:`~draftheads.training.config.apply_generation_defaults`)."""
+    stop, defaults = stop_token_ids(tokenizer, target.generation_config), generation_defaults(target.generation_config)
+    line = f"decoding: stops at {tokenizer.convert_ids_to_tokens(sorted(stop))}"
+    if conf.model.generation_defaults == GenerationDefaults.apply:
+        g = conf.data.generation
+        return line + (f"; the target's generation_config defaults {defaults} are applied: temperature "
+                       f"{g.temperature:g}, top_k {g.top_k}, top_p {g.top_p:g} in regeneration and every evaluated "
+                       f"method")
+    return line + (f"; the target's generation_config defaults {defaults} are ignored (model.generation_defaults="
+                   f"apply applies them): every path decodes with the configured settings" if defaults else "")
+
+
+def _steps(conf) -> list[str]:
+    """The steps a run of ``conf`` finishes, in order (its ledger lists those done)."""
+    return ["training", "validation", "save", *(["export"] if conf.export else []),
+            *(["evaluation"] if conf.eval.enabled else [])]
+
+
+def _record(out: Path) -> dict:
+    """The run's ``target.json``: what it trained against (a stage-2 target has changed since)."""
+    return json.loads((out / TARGET_FILE).read_text())
+
+
+def _report(out: Path) -> dict:
+    path = out / "report.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict) -> dict:
+    """Validate, save, export (each export with its ``serving.json``: :meth:`Recipe.write_serving`), write
+    ``report.json``, then evaluate and write it again; returns the report.
+    The ledger (:mod:`draftheads.training.ledger`) is written as each step finishes, so a run a failed step
+    stopped says which steps it finished; ``report["finished"]`` shows the same list to the reader (nothing
+    reads it back). Metrics are logged at ``trained.step``, the last training step on the tracker's axis."""
+    conf, out = job.conf, job.out
+    finished = _finished(out, recipe, [], "training")
+    val = recipe.validate(job, trained, val_rows)
+    job.accelerator.log(val, step=trained.step)
+    finished = _finished(out, recipe, finished, "validation")
+    print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())
+                                                     if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
+    report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
+              "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
+              "dtype": conf.model.dtype, "resumed_from": str(job.resume[0]) if job.resume else None,
+              "init_from": trained.init_from,
+              "validation": val, **extra, "notes": NOTES}
+    report |= recipe.save(job, trained)
+    report["finished"] = finished = _finished(out, recipe, finished, "save")
+    if conf.export:
+        report["exports"] = {**report.get("exports", {}), **recipe.export(out, job.target, trained)}
+        report["finished"] = finished = _finished(out, recipe, finished, "export")
+    for path in recipe.write_serving(out, conf, trained):  # beside every export, who serves it (docs/serving.md)
+        print(f"serving: {path}", flush=True)
+    print(f"report: {write_report(report, out)}", flush=True)
+    if conf.eval.enabled:
+        report["peer_runs"], report["eval"] = evaluate(job, recipe, trained)
+        report["finished"] = _finished(out, recipe, finished, "evaluation")
+        print(format_table(report["eval"]), flush=True)
+        print(f"report: {write_report(report, out)}", flush=True)
+        log_eval(job.accelerator, report["eval"], out / "acceptance.png", trained.step)
+    return report
+
+
+def _finished(out: Path, recipe: Recipe, finished: list[str], step: str) -> list[str]:
+    """``finished`` and ``step``, written into the run's ledger (atomically) before the list is returned."""
+    finished = [*finished, step]
+    record_finished(out, recipe.name, finished)
+    return finished
+
+
+def evaluate(job: Job, recipe: Recipe, trained: Trained) -> tuple[list[str], dict]:
+    """The end of run's evaluation: the peer runs (``eval.peer_runs``) that fit, loaded after the save (this
+    run's target is then the one it is served with), and :func:`evaluate_drafter` beside them on the job's eval
+    sets. Returns the peers' notes and the evaluated sets."""
+    conf, out = job.conf, job.out
+    host = resolve_target_path(recipe.target_of(out, conf), conf.cache_dir)
+    peers, notes = load_peer_runs(conf.eval.peer_runs, _record(out), host, job.target)
+    return notes, evaluate_drafter(conf, recipe, trained, job.target, job.tokenizer, job.eval_sets, peers)
+
+
+def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, eval_sets: dict,
+                     peers: list[PeerRun] = ()) -> dict:
+    """Speculative evaluation of ``trained`` (its chain) beside its own methods, the peer runs' and prompt
+    lookup, on every eval set and temperature (:func:`draftheads.evaluation.methods.evaluate_methods`)."""
+    drafter = recipe.chain(conf, trained, target)
+
+    def peers_at(sampling: Sampling) -> dict:
+        own = recipe.peers(conf, trained, target, tokenizer, sampling)
+        own |= peer_methods(conf, list(peers), tokenizer, sampling, {drafter.name, *own}, target)
+        return own | prompt_lookup_peer(conf.eval, target, tokenizer, sampling)
+
+    return evaluate_methods(conf.eval, eval_sets, target, tokenizer, drafter, peers_at, conf.model.generation_defaults)
+
+
+def close_job(job: Job, report: dict) -> dict:
+    """Wait for every process, end the tracker; returns ``report`` (empty on other processes)."""
+    job.accelerator.wait_for_everyone()
+    job.accelerator.end_training()
+    return report
