@@ -5,6 +5,7 @@ job (a few steps), the evaluator (chain, tree, DFlash, EAGLE-3, prompt lookup) p
 exports read back. A new family is one ``FAMILIES`` entry plus its end-of-turn token in ``TURN_END``."""
 
 import copy
+import dataclasses
 import json
 import shutil
 from dataclasses import replace
@@ -33,9 +34,17 @@ from tests.helpers import greedy_lossless, smoke
 TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
             "mistral": "</s>", "phi3": "<|end|>"}
 """The token each family's chat template closes an assistant turn with (not always the tokenizer's eos)."""
-OWN_OVERRIDES = {("mistral", "dflash"): ["dflash.mask_token_id=0"], ("mistral", "dspark"): ["dspark.mask_token_id=0"]}
-"""Mistral v0.1's tokenizer has no spare special token for DFlash's (and DSpark's) mask: <unk> (id 0), which it
-never generates."""
+MASK_TOKEN = {"mistral": 0}
+"""A family whose tokenizer has no spare special token for a mask (Mistral v0.1's): the id every drafter that
+drafts from mask tokens (its config section has ``mask_token_id``) is given, <unk> (id 0), which it never
+generates."""
+
+
+def family_overrides(family: str, drafter: str) -> list[str]:
+    """``drafter``'s overrides on ``family``'s target: its mask token where the family has no spare one."""
+    section = getattr(drafters.get(drafter).schema(), drafter)  # its config section, at the defaults
+    takes_mask = "mask_token_id" in {f.name for f in dataclasses.fields(section)}
+    return [f"{drafter}.mask_token_id={MASK_TOKEN[family]}"] if takes_mask and family in MASK_TOKEN else []
 JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_tokens=24",
        "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}, {name: humaneval, source: humaneval, "
        "num_prompts: 1}]"]
@@ -45,9 +54,9 @@ def test_every_family_is_in_the_suite():
     assert TURN_END.keys() == FAMILIES.keys()
 
 
-def test_the_family_overrides_name_registered_drafters_and_families():
-    assert {drafter for _, drafter in OWN_OVERRIDES} <= drafters.DRAFTERS.keys()
-    assert {family for family, _ in OWN_OVERRIDES} <= FAMILIES.keys()
+def test_the_mask_token_overrides_name_families_and_reach_the_mask_drafters():
+    assert MASK_TOKEN.keys() <= FAMILIES.keys()
+    assert any(family_overrides("mistral", d) for d in drafters.DRAFTERS)  # some drafter drafts from masks
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -183,7 +192,7 @@ def jobs(family, tmp_path_factory, cache_dir):
         folder = tmp_path_factory.mktemp(f"{name}-{drafter}")
         out[drafter] = folder, train(drafter, smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}",
                                                     *JOB, *drafters.get(drafter).short,
-                                                    *OWN_OVERRIDES.get((name, drafter), [])))
+                                                    *family_overrides(name, drafter)))
     return out
 
 

