@@ -11,7 +11,9 @@ cut-cross-entropy (Wijmans et al., arXiv 2411.09009).
 
 A distillation objective (:mod:`draftheads.training.objectives`) reads the target's distribution at the same
 positions: the target's logits are made chunk by chunk beside the drafter's from the target's LM head and its
-last hidden states, and the objective's gradient in the chunk's logits is taken by autograd there.
+last hidden states, and the objective's gradient in the chunk's logits is made there in closed form too
+(:func:`~draftheads.training.objectives.losses_and_grads`, in the two logits' storage and one to four more
+``[chunk, V]`` tensors; per-chunk autograd made a DFlash step 2.4x slower than ``ce`` on CPUs).
 """
 
 from __future__ import annotations
@@ -21,19 +23,20 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from draftheads.training.objectives import PositionWeights, chain_weights, loss_mix, normalise, position_losses
+from draftheads.training.objectives import (PositionWeights, chain_weights, logit_buffers, loss_mix, losses_and_grads,
+                                            normalise)
 
 CHUNK_BYTES = 256 * 2 ** 20
-"""Float32 logits made at once (256 MiB: 1,365 positions of a 49k vocabulary, 523 of a 128k one; smaller chunks
-ran slower on CPUs, ``tests/benchmarks/bench_lm_head_loss.py``)."""
+"""Float32 ``[chunk, V]`` tensors held at once (256 MiB: for ``ce``, the logits of 1,365 positions of a 49k
+vocabulary, 523 of a 128k one; a third to a sixth of that for a distillation objective; smaller chunks ran slower
+on CPUs, ``tests/benchmarks/bench_lm_head_loss.py``)."""
 
 
 class _LinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, scale, chunk, k, needs, teacher, mix, temperature):
         n = hidden.shape[0]
-        ce = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        losses = ce if teacher is None else torch.empty(n, dtype=torch.float32, device=hidden.device)
+        losses, ce = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
         alpha = torch.empty(n if teacher is not None else 0, dtype=torch.float32, device=hidden.device)
         top = torch.empty(n, k, dtype=torch.long, device=hidden.device)
         grad_h = torch.zeros_like(hidden, dtype=torch.float32) if needs[0] else None  # one rounding, at the end
@@ -42,35 +45,22 @@ class _LinearLoss(torch.autograd.Function):
         for s in range(0, n, chunk):
             h, y, w = hidden[s:s + chunk], labels[s:s + chunk], scale[s:s + chunk, None]
             logits = _logits(h, weight, bias)
-            lse = logits.logsumexp(-1, keepdim=True)
-            ce[s:s + chunk] = (lse - logits.gather(1, y[:, None]))[:, 0]
             top[s:s + chunk] = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
+            target = None if teacher is None else _logits(teacher[0][s:s + chunk], *teacher[1:])
+            # the objective and its gradient in the logits, in closed form, in the logits' place (no autograd)
+            losses[s:s + chunk], ce[s:s + chunk], a, g = losses_and_grads(logits, y, target, mix, temperature,
+                                                                          grad=any(needs))
             if teacher is not None:
-                # the objective's gradient in the logits, by autograd on this chunk alone
-                th, tw, tb = teacher
-                leaf = logits.detach().requires_grad_(any(needs))
-                with torch.enable_grad():
-                    loss, alpha[s:s + chunk] = position_losses(leaf, y, _logits(th[s:s + chunk], tw, tb), mix,
-                                                               temperature)
-                    losses[s:s + chunk] = loss.detach()
-                    if any(needs):
-                        g = torch.autograd.grad((loss * w[:, 0]).sum(), leaf)[0]
-            elif any(needs):
-                # d ce / d logits = softmax - onehot(label); the weight scales the [chunk, D] side of each product
-                g = logits.sub_(lse).exp_()
-                g[torch.arange(len(h), device=g.device), y] -= 1
-            if not any(needs):
-                continue
-            ws = 1 if teacher is not None else w  # a distillation objective's g is weighted already
+                alpha[s:s + chunk] = a
+            # the position weights scale the [chunk, D] side of each product
             if needs[0]:
-                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).float() * ws
+                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).float() * w
             if needs[1]:
-                grad_w.addmm_(g.t(), h.float() * ws)
+                grad_w.addmm_(g.t(), h.float() * w)
             if needs[2]:
-                grad_b += (g * ws).sum(0)
+                grad_b.addmv_(g.t(), w[:, 0])
         ctx.save_for_backward(grad_h, grad_w, grad_b)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
-        losses = ce.clone() if teacher is None else losses
         ctx.mark_non_differentiable(losses, ce, top, alpha)
         return (losses * scale).sum(), losses, ce, top, alpha
 
@@ -123,9 +113,12 @@ def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
             the same positions, over the same V tokens (constants); None: ``mix`` is ``ce`` alone.
         mix: the objective ``{name: weight}`` (:func:`~draftheads.training.objectives.loss_mix`; default ``ce``).
         temperature: both distributions' in a distillation objective.
-        chunk_bytes: float32 logits made at once (a distillation objective makes about six such tensors).
-    Returns :class:`LinearLoss`. Gradients are made chunk by chunk in the forward pass (closed form for ``ce``,
-    autograd on the chunk's logits otherwise), so neither model's ``[N, V]`` logits ever exist at once.
+        chunk_bytes: float32 ``[chunk, V]`` tensors held at once, all of them: the chunk is this over
+            ``4 V`` times the objective's count (:func:`~draftheads.training.objectives.logit_buffers`: 1 for
+            ``ce``, 3 to 6 for a distillation objective).
+    Returns :class:`LinearLoss`. Gradients are made chunk by chunk in the forward pass, in closed form
+    (:func:`~draftheads.training.objectives.losses_and_grads`), so neither model's ``[N, V]`` logits ever exist
+    at once.
     Raises ``ValueError`` for a label outside the vocabulary, or a distillation objective without a teacher.
     """
     V = weight.shape[0]
@@ -141,7 +134,7 @@ def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     grad = torch.is_grad_enabled()
     needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
-    chunk = max(1, chunk_bytes // (4 * V * (1 if teacher is None else 6)))
+    chunk = max(1, chunk_bytes // (4 * V * logit_buffers(mix, temperature, teacher is not None)))
     out = _LinearLoss.apply(hidden, weight, bias, labels, scale, chunk, min(k, V), needs, teacher, mix,
                             temperature)
     return LinearLoss(*out[:4], out[4] if teacher is not None else None)

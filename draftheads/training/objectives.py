@@ -44,7 +44,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from draftheads.choice import Choice
 
@@ -145,7 +144,8 @@ def add_noise(features: torch.Tensor, std: float) -> torch.Tensor:
 
 def position_losses(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None,
                     mix: dict[str, float], temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The objective ``mix`` at each of ``N`` positions, differentiable in ``logits``.
+    """The objective ``mix`` at each of ``N`` positions, differentiable in ``logits`` (by the closed-form gradient
+    of :func:`losses_and_grads`, on copies of the inputs).
 
     Args:
         logits: ``[N, V]`` float32, the drafter's; labels: ``[N]`` int64 (for ``ce``).
@@ -154,34 +154,158 @@ def position_losses(logits: torch.Tensor, labels: torch.Tensor, target_logits: t
     Returns ``loss`` ``[N]`` and ``alpha`` ``[N]`` (``sum_v min(p_v, q_v)`` at ``temperature``, detached; None
     without ``target_logits``).
     """
-    if target_logits is None:
-        return F.cross_entropy(logits, labels, reduction="none"), None
-    log_q = F.log_softmax(logits / temperature, -1)
-    log_p = F.log_softmax(target_logits / temperature, -1)
-    q, p = log_q.exp(), log_p.exp()
-    alpha = torch.minimum(p, q).sum(-1)
-    kl = lambda: (p * (log_p - log_q)).sum(-1)  # noqa: E731 (each term made only when the mix names it)
+    loss, alpha = _PositionLosses.apply(logits, labels, target_logits, mix, temperature)
+    return loss, alpha if target_logits is not None else None
+
+
+class _PositionLosses(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, target_logits, mix, temperature):
+        copy = lambda t: None if t is None else t.detach().to(torch.float32, copy=True)  # noqa: E731
+        loss, _, alpha, grad = losses_and_grads(copy(logits), labels, copy(target_logits), mix, temperature,
+                                                grad=ctx.needs_input_grad[0])
+        ctx.save_for_backward(grad)
+        ctx.dtype = logits.dtype
+        alpha = loss.new_empty(0) if alpha is None else alpha
+        ctx.mark_non_differentiable(alpha)
+        return loss, alpha
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        (grad,) = ctx.saved_tensors
+        return (grad * grad_loss[:, None]).to(ctx.dtype), None, None, None, None
+
+
+def losses_and_grads(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None,
+                     mix: dict[str, float], temperature: float, grad: bool = True):
+    """The objective ``mix`` at each of ``N`` positions and its gradient in ``logits``, in closed form: no autograd
+    graph, few ``[N, V]`` tensors (:func:`logit_buffers`; the inputs' storage is reused).
+
+    Args:
+        logits: ``[N, V]`` float32, the drafter's ``z``; overwritten (the gradient is returned in its place or
+            beside it).
+        labels: ``[N]`` int64 (for ``ce``).
+        target_logits: ``[N, V]`` float32, the target's ``z_t`` over the same vocabulary, overwritten; None:
+            ``ce`` alone (unweighted, as ``F.cross_entropy``).
+        mix: ``{name: weight}`` (:func:`loss_mix`); temperature: ``T``, both distributions' (not ``ce``'s).
+        grad: whether to make the gradient.
+    Returns ``loss`` ``[N]`` (``sum_name weight * objective``), ``ce`` ``[N]`` (``logsumexp(z) - z_label``,
+    whatever the mix), ``alpha`` ``[N]`` (``sum_v min(p_v, q_v)``; None without ``target_logits``), all float32,
+    and ``grad`` ``[N, V]`` float32, row ``i`` being ``d loss_i / d z_i`` (None unless ``grad``).
+
+    The gradient. With ``q = softmax(z / T)``, ``p = softmax(z_t / T)``:
+
+    - ``ce``: ``softmax(z) - onehot(label)`` (at temperature 1).
+    - ``kl`` ``= sum_v p_v (log p_v - log q_v)``: ``d/d log q = -p``, and through the log-softmax
+      ``(q sum_v p_v - p) / T = (q - p) / T``.
+    - A function ``f(q)`` of the drafter's distribution with ``g = df/dq`` (``[N, V]``): through the softmax's
+      Jacobian ``dq_v/dz_u = q_v (delta_uv - q_u) / T``, ``q * (g - sum_v q_v g_v) / T``; a per-row constant
+      added to ``g`` cancels, so each ``g`` below is written up to one:
+
+      - ``rkl`` ``= sum_v q_v (log q_v - log p_v)``: ``g = log q - log p`` (``+ 1``).
+      - ``jsd`` ``= (KL(p || m) + KL(q || m)) / 2``, ``m = (p + q) / 2``: ``g = log(q / m) / 2`` (the terms in
+        ``dm/dq`` add up to ``-(p + q) / (4 m) = -1/2``, a constant).
+      - ``tv`` ``= 1 - sum_v min(p_v, q_v)``: ``g = -[q < p] - [q = p] / 2`` (autograd's ``torch.minimum`` splits
+        a tie in halves) ``= sign(q - p) / 2`` (``- 1/2``): the same subgradient as before, ties included.
+      - ``lk_alpha`` ``= -log(alpha + 1e-8)``: ``g = sign(q - p) / (2 (alpha + 1e-8))``, the chain rule on
+        ``tv``'s.
+      - ``lk_hybrid`` ``= lam kl + (1 - lam) tv`` with ``lam = exp(-3 alpha)`` a constant (detached):
+        ``lam`` times ``kl``'s gradient plus ``1 - lam`` times ``tv``'s.
+
+    A mix is the weighted sum: with per-row coefficients ``c_kl`` (``kl``, ``lk_hybrid``'s ``lam``) and
+    ``G = c_sign sign(q - p) - c_rkl (log p - log q) + c_jsd log(q / m)`` (``[N, V]``),
+    ``grad = (c_kl (q - p) + q (G - sum_v q_v G_v)) / T + w_ce (softmax(z) - onehot)``, made in place in one
+    buffer (at ``T = 1`` ``softmax(z)`` is ``q`` and ``w_ce`` joins ``G``'s per-row constant).
+    """
+    z, zt, T = logits, target_logits, temperature
+    rows = torch.arange(len(z), device=z.device)
+    z_y = z.gather(1, labels[:, None])
+    if zt is None:  # ce alone: softmax(z) - onehot
+        _, q, lse = _softmax_(z, log=False)
+        ce = (lse - z_y)[:, 0]
+        if grad:
+            q[rows, labels] -= 1
+        return ce, ce, None, q if grad else None
+    w = {name: mix.get(name, 0.0) for name in LOSSES}
+    q1 = lse = None
+    if T != 1:  # ce's own logsumexp and softmax, at temperature 1
+        if w["ce"] and grad:
+            _, q1, lse = _softmax_(z.clone(), log=False)
+        else:
+            lse = z.logsumexp(-1, keepdim=True)
+        z.div_(T)
+        zt.div_(T)
+    log = any(w[name] for name in ("kl", "rkl", "jsd", "lk_hybrid"))
+    log_q, q, lse_q = _softmax_(z, log)
+    log_p, p, _ = _softmax_(zt, log)
+    ce = ((lse_q if lse is None else lse) - z_y)[:, 0]
+    jsd_g = None
+    if w["jsd"]:  # log(q / m), from log-softmaxes: finite where p and q underflow together
+        jsd_g = torch.logaddexp(log_p, log_q).sub_(math.log(2)).neg_().add_(log_q)
+    d = log_p.sub_(log_q) if log else None  # log p - log q, in log p's place
+    scratch = torch.minimum(p, q, out=log_q) if log else torch.minimum(p, q)  # in log q's place once free
+    alpha = scratch.sum(-1, keepdim=True)
+    dot = lambda a, b: torch.mul(a, b, out=scratch).sum(-1, keepdim=True)  # noqa: E731 (sum_v a_v b_v, [N, 1])
+    kl = dot(p, d) if log else None
+    lam = torch.exp(-LK_HYBRID_SCALE * alpha)
     terms = {
-        "ce": lambda: F.cross_entropy(logits, labels, reduction="none"),
-        "kl": kl,
-        "rkl": lambda: (q * (log_q - log_p)).sum(-1),
-        "jsd": lambda: _jsd(p, q, log_p, log_q),
+        "ce": lambda: ce[:, None],
+        "kl": lambda: kl,
+        "rkl": lambda: -dot(q, d),
+        "jsd": lambda: 0.5 * (kl + dot(torch.add(p, q, out=scratch), jsd_g)),
         "tv": lambda: 1 - alpha,
         "lk_alpha": lambda: -torch.log(alpha + 1e-8),
-        "lk_hybrid": lambda: _lk_hybrid(kl(), alpha),
+        "lk_hybrid": lambda: lam * kl + (1 - lam) * (1 - alpha),
     }
-    loss = sum(weight * terms[name]() for name, weight in mix.items())
-    return loss, alpha.detach()
+    loss = sum(weight * terms[name]() for name, weight in mix.items())[:, 0]
+    if not grad:
+        return loss, ce, alpha[:, 0], None
+    c_kl = w["kl"] + w["lk_hybrid"] * lam
+    c_sign = 0.5 * (w["tv"] + w["lk_alpha"] / (alpha + 1e-8) + w["lk_hybrid"] * (1 - lam))
+    if w["tv"] or w["lk_alpha"] or w["lk_hybrid"]:
+        g = torch.sub(q, p, out=scratch).sign_().mul_(c_sign)
+    else:
+        g = scratch.zero_()
+    if w["rkl"]:
+        g.add_(d, alpha=-w["rkl"])
+    if w["jsd"]:
+        g.add_(jsd_g, alpha=0.5 * w["jsd"])
+    g.mul_(q)  # q G; then q (G - sum_v q_v G_v) + c_kl q (+ w_ce q at T = 1), then - c_kl p
+    g.addcmul_(q, c_kl - g.sum(-1, keepdim=True) + (w["ce"] if T == 1 else 0))
+    if w["kl"] or w["lk_hybrid"]:
+        g.addcmul_(p, -c_kl)
+    if T != 1:
+        g.div_(T)
+        if q1 is not None:
+            g.add_(q1, alpha=w["ce"])
+    if w["ce"]:
+        g[rows, labels] -= w["ce"]
+    return loss, ce, alpha[:, 0], g
 
 
-def _jsd(p, q, log_p, log_q):
-    log_m = torch.logaddexp(log_p, log_q) - math.log(2)  # finite where p and q underflow together
-    return 0.5 * ((p * (log_p - log_m)).sum(-1) + (q * (log_q - log_m)).sum(-1))
+def logit_buffers(mix: dict[str, float], temperature: float, target: bool) -> int:
+    """How many ``[N, V]`` float32 tensors :func:`losses_and_grads` holds at once, its inputs included: 1 for
+    ``ce`` alone; with the target's logits ``q``, ``p`` and a scratch tensor (the gradient), the log-softmaxes'
+    difference for ``kl``, ``rkl``, ``jsd`` and ``lk_hybrid``, ``log(q / m)`` for ``jsd``, and ``softmax(z)`` for
+    ``ce`` at a temperature other than 1."""
+    if not target:
+        return 1
+    log = any(name in mix for name in ("kl", "rkl", "jsd", "lk_hybrid"))
+    return 3 + log + ("jsd" in mix) + ("ce" in mix and temperature != 1)
 
 
-def _lk_hybrid(kl, alpha):
-    lam = torch.exp(-LK_HYBRID_SCALE * alpha.detach())
-    return lam * kl + (1 - lam) * (1 - alpha)
+def _softmax_(x: torch.Tensor, log: bool) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``x`` ``[N, V]`` float32 overwritten by its log-softmax (``log``; its softmax then in a new tensor) or by its
+    softmax (one exp either way). Returns ``(log_softmax or None, softmax, logsumexp [N, 1])``."""
+    lse = x.amax(-1, keepdim=True)
+    x.sub_(lse)
+    e = x.exp() if log else x.exp_()
+    s = e.sum(-1, keepdim=True)
+    e.div_(s)
+    s.log_()
+    if log:
+        x.sub_(s)
+    return (x if log else None), e, lse.add_(s)
 
 
 def chain_weights(settings: Objective, valid: torch.Tensor, ce: torch.Tensor | None = None) -> torch.Tensor:
