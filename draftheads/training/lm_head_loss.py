@@ -34,17 +34,21 @@ on CPUs, ``tests/benchmarks/bench_lm_head_loss.py``)."""
 
 class _LinearLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, scale, chunk, k, needs, teacher, mix, temperature):
+    def forward(ctx, hidden, weight, bias, side_hidden, side_weight, labels, scale, chunk, k, needs, teacher, mix,
+                temperature):
         n = hidden.shape[0]
         losses, ce = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
         alpha = torch.empty(n if teacher is not None else 0, dtype=torch.float32, device=hidden.device)
         top = torch.empty(n, k, dtype=torch.long, device=hidden.device)
-        grad_h = torch.zeros_like(hidden, dtype=torch.float32) if needs[0] else None  # one rounding, at the end
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if needs[1] else None
-        grad_b = torch.zeros_like(bias, dtype=torch.float32) if needs[2] else None
+        blocks = [(hidden, weight)] + ([(side_hidden, side_weight)] if side_weight is not None else [])
+        # one float32 gradient per input (one rounding, at the end), None where it needs none
+        grads = [torch.zeros_like(t, dtype=torch.float32) if need else None
+                 for t, need in zip((hidden, weight, bias, side_hidden, side_weight), needs)]
         for s in range(0, n, chunk):
-            h, y, w = hidden[s:s + chunk], labels[s:s + chunk], scale[s:s + chunk, None]
-            logits = _logits(h, weight, bias)
+            y, w = labels[s:s + chunk], scale[s:s + chunk, None]
+            logits = _logits(hidden[s:s + chunk], weight, bias)
+            if side_weight is not None:
+                logits += _logits(side_hidden[s:s + chunk], side_weight, None)
             top[s:s + chunk] = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
             target = None if teacher is None else _logits(teacher[0][s:s + chunk], *teacher[1:])
             # the objective and its gradient in the logits, in closed form, in the logits' place (no autograd)
@@ -53,23 +57,21 @@ class _LinearLoss(torch.autograd.Function):
             if teacher is not None:
                 alpha[s:s + chunk] = a
             # the position weights scale the [chunk, D] side of each product
-            if needs[0]:
-                grad_h[s:s + chunk] = (g.to(weight.dtype) @ weight).float() * w
-            if needs[1]:
-                grad_w.addmm_(g.t(), h.float() * w)
+            for i, (x, wt) in enumerate(blocks):
+                if needs[3 * i]:  # 0: hidden, 3: side_hidden
+                    grads[3 * i][s:s + chunk] = (g.to(wt.dtype) @ wt).float() * w
+                if needs[3 * i + 1]:  # 1: weight, 4: side_weight
+                    grads[3 * i + 1].addmm_(g.t(), x[s:s + chunk].float() * w)
             if needs[2]:
-                grad_b.addmv_(g.t(), w[:, 0])
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+                grads[2].addmv_(g.t(), w[:, 0])
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = [None if t is None else t.dtype for t in (hidden, weight, bias, side_hidden, side_weight)]
         ctx.mark_non_differentiable(losses, ce, top, alpha)
         return (losses * scale).sum(), losses, ce, top, alpha
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        return (None if grad_h is None else (grad_h * grad_loss).to(ctx.dtypes[0]),
-                None if grad_w is None else (grad_w * grad_loss).to(ctx.dtypes[1]),
-                None if grad_b is None else (grad_b * grad_loss).to(ctx.dtypes[2]),
+        return (*[None if g is None else (g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)],
                 *[None] * 8)
 
 
@@ -97,9 +99,9 @@ class LinearLoss(NamedTuple):
 def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None, k: int = 5, teacher: tuple | None = None,
                 mix: dict[str, float] | None = None, temperature: float = 1.0,
-                chunk_bytes: int = CHUNK_BYTES) -> LinearLoss:
-    """The weighted objective of the logits ``hidden @ weight.T (+ bias)`` at ``N`` positions, per-position
-    values and top-k tokens, without materialising the logits.
+                chunk_bytes: int = CHUNK_BYTES, side: tuple | None = None) -> LinearLoss:
+    """The weighted objective of the logits ``hidden @ weight.T (+ bias) (+ side_hidden @ side_weight.T)`` at
+    ``N`` positions, per-position values and top-k tokens, without materialising the logits.
 
     Args:
         hidden: ``[N, D]`` LM-head inputs (any float dtype; differentiable).
@@ -113,6 +115,9 @@ def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
             the same positions, over the same V tokens (constants); None: ``mix`` is ``ce`` alone.
         mix: the objective ``{name: weight}`` (:func:`~draftheads.training.objectives.loss_mix`; default ``ce``).
         temperature: both distributions' in a distillation objective.
+        side: ``(side_hidden [N, r], side_weight [V, r])``, a second linear map added to the logits (DSpark's
+            Markov bias beside a frozen LM head: only the blocks that train get a weight gradient, where one
+            ``[V, D + r]`` map of ``[hidden; side_hidden]`` would make the frozen head's too), or None.
         chunk_bytes: float32 ``[chunk, V]`` tensors held at once, all of them: the chunk is this over
             ``4 V`` times the objective's count (:func:`~draftheads.training.objectives.logit_buffers`: 1 for
             ``ce``, 3 to 6 for a distillation objective).
@@ -131,12 +136,12 @@ def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
         teacher = tuple(None if t is None else t.detach() for t in teacher)
     scale = (torch.ones(len(labels), device=hidden.device) if weights is None
              else weights.detach().to(hidden.device, torch.float32))
+    side_hidden, side_weight = side if side is not None else (None, None)
     grad = torch.is_grad_enabled()
-    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
-             grad and bias is not None and bias.requires_grad)
+    needs = tuple(grad and t is not None and t.requires_grad for t in (hidden, weight, bias, side_hidden, side_weight))
     chunk = max(1, chunk_bytes // (4 * V * logit_buffers(mix, temperature, teacher is not None)))
-    out = _LinearLoss.apply(hidden, weight, bias, labels, scale, chunk, min(k, V), needs, teacher, mix,
-                            temperature)
+    out = _LinearLoss.apply(hidden, weight, bias, side_hidden, side_weight, labels, scale, chunk, min(k, V), needs,
+                            teacher, mix, temperature)
     return LinearLoss(*out[:4], out[4] if teacher is not None else None)
 
 
@@ -162,7 +167,7 @@ def head_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, **los
 
 
 def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, settings,
-                 teacher: tuple | None = None, k: int = 1) -> LinearLoss:
+                 teacher: tuple | None = None, k: int = 1, side: tuple | None = None) -> LinearLoss:
     """A drafter's loss over chains of drafted positions: ``settings``' objective at each valid position,
     weighted by its position weights (:mod:`draftheads.training.objectives`) and normalised over every process.
 
@@ -174,6 +179,7 @@ def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, va
         teacher: ``(hidden [N, Dt], weight [V, Dt], bias)``: the target's LM head and last hidden states at the
             same positions, for a distillation objective (None for ``ce``).
         k: top-k tokens returned.
+        side: ``(side_hidden [N, r], side_weight [V, r])`` added to the logits (:func:`linear_loss`), or None.
     D-PACE's weights need each position's cross-entropy first: a no-grad pass through the head makes it (one
     more ``[N, V]`` product, chunked).
     """
@@ -181,7 +187,7 @@ def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, va
     if settings.position_weights == PositionWeights.dpace:
         with torch.no_grad():
             ce = torch.zeros(valid.shape, device=hidden.device)
-            ce[valid] = head_loss(head, hidden, labels, k=1).ce
+            ce[valid] = head_loss(head, hidden, labels, k=1, side=side).ce
     weights = normalise(chain_weights(settings, valid, ce))[valid]
-    return head_loss(head, hidden, labels, weights=weights, k=k, teacher=teacher,
+    return head_loss(head, hidden, labels, weights=weights, k=k, teacher=teacher, side=side,
                      mix=loss_mix(settings.loss, "loss"), temperature=settings.loss_temperature)

@@ -56,6 +56,35 @@ def test_a_frozen_head_gets_no_gradient_and_bf16_autocast_matches():
     assert weight.grad is None
 
 
+@pytest.mark.parametrize("mix", [{"ce": 1.0}, {"ce": 0.1, "tv": 1.8}])
+def test_a_side_map_adds_to_the_logits_and_only_the_trained_blocks_get_gradients(mix):
+    """DSpark's Markov bias: ``hidden @ W.T + side @ W2.T`` with the LM head W frozen equals the loss of the full
+    logits; hidden, side and W2 get autograd's gradients, W none (no ``[V, D]`` gradient product is made)."""
+    hidden, weight, bias, labels = _inputs()
+    weight.requires_grad_(False)
+    g = torch.Generator().manual_seed(1)
+    side = torch.randn(len(labels), 8, generator=g).requires_grad_()
+    side_weight = (torch.randn(301, 8, generator=g) * 0.3).requires_grad_()
+    teacher = (torch.randn(len(labels), 24, generator=g), torch.randn(301, 24, generator=g) * 0.3, None)
+    scale = torch.rand(len(labels))
+    out = linear_loss(hidden, weight, labels, bias, scale, teacher=teacher if "tv" in mix else None, mix=mix,
+                      chunk_bytes=4 * 301 * 5, side=(side, side_weight))
+    out.loss.backward()
+    ours = [t.grad.clone() for t in (hidden, side, side_weight, bias)]
+    assert weight.grad is None
+    for t in (hidden, side, side_weight, bias):
+        t.grad = None
+    logits = (F.linear(hidden, weight, bias) + side @ side_weight.t()).float()
+    ref = F.cross_entropy(logits, labels, reduction="none") * mix["ce"]
+    if "tv" in mix:
+        p = F.linear(teacher[0], teacher[1]).softmax(-1)
+        ref = ref + mix["tv"] * (1 - torch.minimum(p, logits.softmax(-1)).sum(-1))
+    (ref * scale).sum().backward()
+    torch.testing.assert_close(out.loss, (ref * scale).sum(), atol=1e-5, rtol=1e-5)
+    for a, t in zip(ours, (hidden, side, side_weight, bias)):
+        torch.testing.assert_close(a, t.grad, atol=1e-5, rtol=1e-4)
+
+
 def test_without_gradients_nothing_is_kept_for_backward():
     hidden, weight, _, labels = _inputs()
     with torch.no_grad():

@@ -25,7 +25,6 @@ Generation", arXiv 2607.05147), laid out as vLLM's ``qwen3_dspark.py`` loads it 
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -70,16 +69,15 @@ def dflash_view(config):
 class MarkovProjection(nn.Linear):
     """``markov_w2``: ``[.., r] -> [.., V]``, bias-free. Given ``labels`` its forward returns the drafted loss
     (:func:`~draftheads.training.lm_head_loss.drafted_loss`) of the logits ``lm_head(hidden) + markov_w2(embed)``,
-    made as one linear map of ``[hidden; embed]`` through ``[W_lm; W2]`` (chunked, no ``[N, V]`` logits), its
-    weight read inside its own forward, where sharding engines gather it (ZeRO-3)."""
+    made chunk by chunk with ``markov_w2`` as the LM-head loss's second map (no ``[N, V]`` logits, and no gradient
+    made for the frozen LM head), its weight read inside its own forward, where sharding engines gather it
+    (ZeRO-3)."""
 
     def forward(self, embed: torch.Tensor, hidden: torch.Tensor | None = None, lm_head: nn.Module | None = None,
                 labels: torch.Tensor | None = None, **loss):
         if labels is None:
             return super().forward(embed)
-        weight = torch.cat([lm_head.weight.to(self.weight.dtype), self.weight], dim=1)
-        head = SimpleNamespace(weight=weight, bias=lm_head.bias)
-        return drafted_loss(head, torch.cat([hidden, embed.to(hidden.dtype)], dim=-1), labels, **loss)
+        return drafted_loss(lm_head, hidden, labels, side=(embed, self.weight), **loss)
 
 
 class DSparkMarkovHead(nn.Module):
