@@ -17,7 +17,7 @@ from draftheads.models.speculative import Sampling, plain_decode, speculative_de
 from draftheads.models.target import Dtype, TargetSpec, load_target, model_identity, resolve_target_path
 from draftheads.runs.output_dir import TARGET_FILE, target_record
 from draftheads.training.config import apply_generation_defaults
-from draftheads.training.ledger import LEDGER, finished_steps
+from draftheads.training.ledger import LEDGER, check_saved
 from draftheads.training.recipe import Recipe, Trained
 
 
@@ -73,15 +73,9 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
 
 def check_finished(folder: Path, recipe: Recipe) -> None:
     """``FileNotFoundError`` unless ``folder``'s ledger (``progress.json``) lists the save among the steps the
-    run finished: a run killed before its save, or a new run started over an old one, holds no drafter of its
-    own config (whatever an older run left there); ``resume=true`` finishes it. ``report.json`` is not read: a
-    run folder of an older version, without a ledger, is read by its ``report.json`` as that version was
-    (:func:`~draftheads.training.ledger.finished_steps`)."""
-    finished = finished_steps(folder) or []
-    if "save" not in finished:
-        raise FileNotFoundError(f"{folder / LEDGER}: the run has not finished its save (finished: {finished}), so "
-                                f"no drafter there is known to be its config's; resume=true finishes it: rerun "
-                                f"train/{recipe.name}.py as it was started, with resume=true")
+    run finished (:func:`~draftheads.training.ledger.check_saved`; ``report.json`` is not read, but for a run
+    folder of an older version, without a ledger)."""
+    check_saved(folder, str(folder / LEDGER), f"rerun train/{recipe.name}.py as it was started, with resume=true")
 
 
 TARGET_KEYS = ("name_or_path", "revision", "tiny")

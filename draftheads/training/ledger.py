@@ -70,6 +70,17 @@ def finished_steps(out: Path) -> list[str] | None:
     return list(json.loads(report.read_text()).get("finished", ["save"]))
 
 
+def check_saved(out: Path, what: str, resume: str) -> None:
+    """``FileNotFoundError`` unless the run in ``out`` finished its save (:func:`finished_steps`): a run killed
+    before its save, or a new run started over an old one, holds no drafter of its own config (whatever an older
+    run left there). ``what`` names who asks (the ledger's path, or the key naming the run), ``resume`` how to
+    finish the run (the command to rerun)."""
+    finished = finished_steps(out) or []
+    if "save" not in finished:
+        raise FileNotFoundError(f"{what}: the run has not finished its save (finished: {finished}), so no drafter "
+                                f"there is known to be its config's; resume=true finishes it: {resume}")
+
+
 def _write(out: Path, ledger: dict) -> Path:
     """``ledger`` as ``out/progress.json``, atomically (as ``report.json`` is written: whole, then renamed)."""
     path = Path(out) / LEDGER

@@ -34,7 +34,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from draftheads.training.checkpoint import complete_checkpoints
-from draftheads.training.ledger import finished_steps
+from draftheads.training.ledger import check_saved
 
 RUN_CONFIG = "config.yaml"
 """What marks a folder as a run (the config every run saves); any other folder is read as an export."""
@@ -92,7 +92,7 @@ def _read_source(recipe, conf, target) -> Source:
         if name not in candidates:
             raise ValueError(f"{key}={path}: a run of drafter {name!r}; {recipe.name} starts from runs or exports of "
                              f"{sorted(candidates)}")
-        _check_finished(path, key)
+        check_saved(path, f"{key}={path}", "resume the source run first")
         try:
             return Source(path, name, "run", candidates[name].read_saved(path, target), key)
         except (FileNotFoundError, ValueError) as e:
@@ -107,16 +107,6 @@ def _read_source(recipe, conf, target) -> Source:
     error = FileNotFoundError if kinds == {FileNotFoundError} else ValueError
     raise error(f"{key}={path}: not a run folder (no {RUN_CONFIG}) nor an export {recipe.name} starts from "
                 f"({'; '.join(errors)})")
-
-
-def _check_finished(path: Path, key: str) -> None:
-    """``FileNotFoundError`` unless the run's ledger lists its save among the finished steps
-    (:func:`~draftheads.training.ledger.finished_steps`: a run folder of an older version, without a ledger, by
-    its ``report.json``)."""
-    finished = finished_steps(path) or []
-    if "save" not in finished:
-        raise FileNotFoundError(f"{key}={path}: the run has not finished its save (finished: {finished}); resume it "
-                                f"first (resume=true)")
 
 
 def check_source(recipe, conf, target, source: Source) -> None:

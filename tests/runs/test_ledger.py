@@ -11,8 +11,8 @@ from draftheads import drafters
 from draftheads.runs import life
 from draftheads.runs.output_dir import RUN_ENTRIES, claim_output_dir, run_marks
 from draftheads.runs.saved import check_finished
-from draftheads.training.ledger import LEDGER, STEPS, finished_steps, read_ledger, record_finished, start_ledger
-from draftheads.training.warm_start import _check_finished
+from draftheads.training.ledger import (LEDGER, STEPS, check_saved, finished_steps, read_ledger, record_finished,
+                                        start_ledger)
 from tests.helpers import smoke
 
 ALL = list(STEPS)
@@ -44,7 +44,7 @@ def test_the_ledger_is_written_whole_and_keeps_when_the_run_started(tmp_path):
 def test_a_finished_run_whose_report_is_deleted_or_edited_still_counts_as_finished(report, tmp_path):
     out = folder(tmp_path, ALL, report)
     check_finished(out, drafters.get("medusa"))
-    _check_finished(out, "medusa.init_from")
+    check_saved(out, "medusa.init_from", "resume it")
     assert run_marks(out) and finished_steps(out) == ALL
     with pytest.raises(FileExistsError, match="holds a training run"):
         claim_output_dir(out, overwrite=False, delete=True)
@@ -55,7 +55,7 @@ def test_a_run_whose_ledger_says_unfinished_is_not_finished_whatever_its_report_
     with pytest.raises(FileNotFoundError, match=r"progress.json: the run has not finished its save"):
         check_finished(out, drafters.get("medusa"))
     with pytest.raises(FileNotFoundError, match="has not finished its save"):
-        _check_finished(out, "medusa.init_from")
+        check_saved(out, "medusa.init_from", "resume it")
     started = folder(tmp_path / "b", [], {"drafter": "medusa", "finished": ALL})  # failed before training
     assert run_marks(started) == []
     claim_output_dir(started, overwrite=False, delete=True)
