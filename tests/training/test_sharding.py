@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from draftheads import drafters
+from draftheads.training.ledger import record_finished
 from draftheads.training.recipe import FeatureRecipe
 from tests.helpers import ROOT, SMOKE_STAGES, greedy_lossless, launch
 
@@ -89,6 +90,7 @@ def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_
     *_, cut, last = sorted(out.glob("checkpoints/stage1-step*"))
     for path in [last, *out.glob("checkpoints/stage2-*"), out / "medusa_heads", out / "export", out / "report.json"]:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
+    record_finished(out, "medusa", [])  # the ledger of a run killed in stage 1: nothing finished
     report = launch("medusa", out, cache_dir, *MEDUSA, "resume=true", engine=engine)
     assert report["resumed_from"].endswith(cut.name)  # continued, not restarted
     assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
