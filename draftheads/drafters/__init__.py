@@ -9,11 +9,14 @@ runs, export, vLLM parity and the state cache ask this registry, never a folder 
 from __future__ import annotations
 
 import importlib
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from draftheads.evaluation.methods import PROMPT_LOOKUP
 from draftheads.training.config import RegenerateConfig
 from draftheads.training.recipe import Recipe
 
@@ -46,6 +49,17 @@ def of_run(run_dir: str | Path) -> Recipe:
         raise ValueError(f"{path} names no drafter (a run made before runs recorded theirs): add "
                          f"'drafter: <name>' with one of {sorted(DRAFTERS)}")
     return get(name)
+
+
+def check_method_names(names: Iterable[str]) -> None:
+    """``eval.peers`` names, checked before any work: each must be a method some registered drafter's runs offer
+    (its ``Recipe.methods``) or prompt lookup, optionally with the ``@<run folder>`` a peer run's method takes when
+    its name is already taken. Raises ``ValueError`` naming the unknown ones and every method's name."""
+    patterns = [PROMPT_LOOKUP] + [p for name in DRAFTERS for p in get(name).methods]
+    unknown = [n for n in names if not any(re.fullmatch(p, n.split("@")[0]) for p in patterns)]
+    if unknown:
+        raise ValueError(f"eval.peers: {unknown} name no method; methods: {patterns} (a peer run's, when its name "
+                         "is taken, with @<run folder>)")
 
 
 def register_configs() -> None:

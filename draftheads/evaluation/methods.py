@@ -10,6 +10,9 @@ from draftheads.evaluation.evaluator import eval_modes, eval_prompts, evaluate_s
 from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.speculative import Sampling, prompt_lookup_decode
 
+PROMPT_LOOKUP = "prompt_lookup"
+"""The model-free peer's report name (:func:`prompt_lookup_peer`)."""
+
 
 def load_eval_sets(eval_cfg, tokenizer=None) -> dict[str, list]:
     """Each eval set's held-out prompts by report name; a set with ``min_prompt_tokens`` counts them with the
@@ -43,15 +46,11 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
     """Speculative evaluation of ``drafter`` on every eval set at every temperature in ``eval.temperatures``:
     ``{set name: metrics}``, the set named ``<set>@T<t>`` for t > 0. ``peers_at(sampling)`` gives the methods
     measured beside it on the same prompts (``name -> decode(prompt_ids, generator)``), kept to ``eval.peers``
-    when that is set; ``defaults`` says whether the sampling is the target's own (recorded). Raises
-    ``ValueError`` for a name in ``eval.peers`` that no temperature offers."""
+    when that is set (a name nothing offers, such as a skipped peer run's method, is left out:
+    :func:`unmeasured_peers` says which); ``defaults`` says whether the sampling is the target's own (recorded)."""
     samplings = eval_cfg.samplings()
     offered = [peers_at(sampling) for sampling in samplings]
     if eval_cfg.peers is not None:
-        unknown = set(eval_cfg.peers) - set().union(*offered)
-        if unknown:
-            raise ValueError(f"eval.peers: {sorted(unknown)} not measured by this run; available: "
-                             f"{sorted(set().union(*offered))}")
         offered = [{k: v for k, v in peers.items() if k in eval_cfg.peers} for peers in offered]
     results = {}
     for sampling, peers in zip(samplings, offered):
@@ -63,10 +62,19 @@ def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, dr
     return results
 
 
+def unmeasured_peers(eval_cfg, sets: dict[str, dict]) -> list[str]:
+    """A note for each name in ``eval.peers`` that no evaluated set measured (its peer run skipped or not named, a
+    method the run does not offer, such as a tree with ``tree.enabled=false``); ``sets`` as
+    :func:`evaluate_methods` returns them."""
+    measured = {name for metrics in sets.values() for name in metrics.get("peers", {})}
+    return [f"eval.peers: {name} not measured: no method of this run or of its measured peer runs is named so"
+            for name in eval_cfg.peers or () if name not in measured]
+
+
 def prompt_lookup_peer(eval_cfg, target, tokenizer, sampling: Sampling) -> dict:
     """transformers' prompt-lookup decoding, the model-free peer, at this temperature (lossless)."""
     if eval_cfg.prompt_lookup_tokens <= 0:
         return {}
     stop, n = stop_token_ids(tokenizer, target.generation_config), eval_cfg.max_new_tokens
-    return {"prompt_lookup": lambda ids, gen: prompt_lookup_decode(target, ids, n, stop, eval_cfg.prompt_lookup_tokens,
+    return {PROMPT_LOOKUP: lambda ids, gen: prompt_lookup_decode(target, ids, n, stop, eval_cfg.prompt_lookup_tokens,
                                                                    sampling, gen)}

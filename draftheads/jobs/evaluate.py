@@ -11,7 +11,7 @@ from draftheads import drafters
 from draftheads.data.regenerate import target_prompt_ids
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
-from draftheads.evaluation.methods import load_eval_sets
+from draftheads.evaluation.methods import load_eval_sets, unmeasured_peers
 from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
 from draftheads.runs.life import evaluate_drafter
@@ -31,7 +31,8 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     ``backend="vllm"``: the target is not loaded here (only its ends, ``model.partial``, to read the drafter);
     vLLM decodes with the run's export and without it, greedily, in its own environment (``vllm_venv``, made on
     first use at ``$DRAFTHEADS_CACHE/vllm-venv``): :func:`~draftheads.evaluation.vllm_eval.evaluate_in_vllm`, no
-    peers. Raises ``ValueError`` for another backend, and what :func:`~draftheads.runs.saved.open_run` raises:
+    peers. Raises ``ValueError`` for another backend, a name in ``eval.peers`` that is no method's
+    (:func:`~draftheads.drafters.check_method_names`), and what :func:`~draftheads.runs.saved.open_run` raises:
     ``FileNotFoundError`` for a run that has not finished its save (``resume=true`` finishes it), ``ValueError``
     for overrides choosing another target than the one its drafter was trained with."""
     if backend not in ("transformers", "vllm"):
@@ -40,6 +41,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     run = open_run(run_dir, overrides, weights or (drafters.of_run(run_dir).vllm_weights if in_vllm else None),
                    partial=in_vllm)
     conf = replace(run.conf, eval=replace(run.conf.eval, enabled=True))
+    drafters.check_method_names(conf.eval.peers or ())
     if in_vllm:
         notes = ["peer runs are not measured with backend=vllm"]
         sets = vllm_sets(run, conf, vllm_venv)
@@ -48,6 +50,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
         peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
         sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
                                 load_eval_sets(conf.eval, run.tokenizer), peers)
+        notes += unmeasured_peers(conf.eval, sets)
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():
         m["drafter"] = source

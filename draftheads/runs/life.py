@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
-from draftheads.evaluation.methods import evaluate_methods, load_eval_sets, prompt_lookup_peer
+from draftheads.evaluation.methods import evaluate_methods, load_eval_sets, prompt_lookup_peer, unmeasured_peers
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.partial import place
 from draftheads.models.speculative import Sampling
@@ -93,7 +93,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     that would fail later), the resume point, and ``config.yaml`` and ``target.json`` in the run directory.
     ``recipe`` None opens a job that trains nothing (a state cache build).
 
-    Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, what
+    Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, a name in
+    ``eval.peers`` that is no method's (:func:`~draftheads.drafters.check_method_names`), what
     ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint of another target or of a stage not
     in ``recipe.stages``; ``FileExistsError`` for an output_dir holding a training run
     (:func:`~draftheads.runs.output_dir.claim_output_dir`) — before any work.
@@ -101,6 +102,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     conf = to_schema(cfg)
     if recipe is not None and conf.drafter != recipe.name:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
+    drafters.check_method_names(conf.eval.peers or ())
     if conf.model.partial and recipe is not None:
         check_partial(conf)
     out = Path(conf.output_dir)
@@ -219,11 +221,12 @@ def _finished(out: Path, recipe: Recipe, finished: list[str], step: str) -> list
 def evaluate(job: Job, recipe: Recipe, trained: Trained) -> tuple[list[str], dict]:
     """The end of run's evaluation: the peer runs (``eval.peer_runs``) that fit, loaded after the save (this
     run's target is then the one it is served with), and :func:`evaluate_drafter` beside them on the job's eval
-    sets. Returns the peers' notes and the evaluated sets."""
+    sets. Returns the peers' notes (with any ``eval.peers`` name left unmeasured) and the evaluated sets."""
     conf, out = job.conf, job.out
     host = resolve_target_path(recipe.target_of(out, conf), conf.cache_dir)
     peers, notes = load_peer_runs(conf.eval.peer_runs, _record(out), host, job.target)
-    return notes, evaluate_drafter(conf, recipe, trained, job.target, job.tokenizer, job.eval_sets, peers)
+    sets = evaluate_drafter(conf, recipe, trained, job.target, job.tokenizer, job.eval_sets, peers)
+    return notes + unmeasured_peers(conf.eval, sets), sets
 
 
 def evaluate_drafter(conf, recipe: Recipe, trained: Trained, target, tokenizer, eval_sets: dict,

@@ -246,8 +246,9 @@ class EvalConfig:
     """Seed of the sampling generator (baseline and speculative draw from it in turn)."""
     peers: list[str] | None = None
     """Methods measured beside the drafter under test, by report name: medusa_chain, medusa_tree,
-    medusa_tree_typical, dflash, dflash_denoise<N>, eagle3 (a peer run's chain), prompt_lookup. null: all the run
-    offers; []: none."""
+    medusa_tree_typical, dflash, dflash_denoise<N>, eagle3, dspark, dspark_adaptive (a peer run's too),
+    prompt_lookup. null: all the run offers; []: none. A name no method has is refused when the job opens; one
+    nothing measured (a skipped peer run's) is noted in the report's ``peer_runs``."""
     peer_runs: list[str] = field(default_factory=list)
     """Finished runs of any drafter for the same target, measured beside this run's drafter on the same
     prompts (each contributes its own methods: medusa_chain and medusa_tree, dflash, eagle3...). A run that is

@@ -68,6 +68,10 @@ class Recipe:
     export folder it writes (and each variant of one), which server loads it, with the line of that server's
     source that says so (:class:`~draftheads.evaluation.serving.Served`). :meth:`write_serving` writes them
     beside the run's exports; the vLLM jobs refuse a vLLM without its method from them."""
+    methods: tuple[str, ...]
+    """The report names of the decoding methods its runs offer, as regular expressions: its chain's (:meth:`chain`)
+    and its peers' (:meth:`peers`). ``eval.peers`` is checked against every drafter's before any work
+    (:func:`draftheads.drafters.check_method_names`)."""
     short: tuple[str, ...]
     """Hydra overrides that make its job short on a tiny target (``+experiment=smoke``: tests, smoke runs): every
     stage for an epoch or less, its own sizes small, peer runs (which such a run has not made) off. The tests over

@@ -3,6 +3,7 @@ never over a list of names, each drafter's job made short by its recipe's own se
 new drafter is tested here with no edit, never silently absent."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -36,7 +37,11 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     assert report["dtype"] == "bfloat16" and report["drafter"] == job
     assert report["validation"] and all(math.isfinite(v) for v in report["validation"].values())
     assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
-    recipe = drafters.get(job)  # what it saves beside its exports and the export vLLM loads: weights in one dtype
+    recipe = drafters.get(job)  # its methods' names are the ones it declares (what eval.peers is checked against)
+    chitchat = report["eval"]["chitchat"]
+    own = [n for n in [chitchat["method"], *chitchat["peers"]] if n != "prompt_lookup"]
+    assert own and all(any(re.fullmatch(p, n) for p in recipe.methods) for n in own), (own, recipe.methods)
+    # what it saves beside its exports and the export vLLM loads: weights in one dtype
     for folder in [*recipe.saved_entries, recipe.vllm_weights]:  # (EAGLE-3's d2t/t2d vocabulary maps: int64, bool)
         files = list((tmp_path / folder).glob("*.safetensors"))
         dtypes = {t.dtype for f in files for t in load_file(str(f)).values() if t.is_floating_point()}

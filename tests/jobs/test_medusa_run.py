@@ -240,7 +240,8 @@ def test_evaluate_a_saved_run_with_sampling(smoke_run):
 
 def test_evaluate_an_export_reloaded_from_disk(smoke_run):
     """What vLLM would load, measured: the export's heads decode exactly like the run's own heads, and
-    eval.peers keeps only the methods asked for."""
+    eval.peers keeps only the methods asked for: a name no method has is refused before any decoding, one this run
+    does not offer is noted."""
     out, _ = smoke_run
     args = [f"run_dir={out}", "eval.max_new_tokens=12", "eval.peers=[medusa_tree]",
             "eval.sets=[{name: served, source: chitchat, num_prompts: 3}]"]
@@ -253,7 +254,10 @@ def test_evaluate_an_export_reloaded_from_disk(smoke_run):
     assert set(m["peers"]) == {"medusa_tree"} and greedy_lossless(m)
     for key in ("acceptance_length", "acceptance_rate_per_position", "accepted_histogram"):
         assert m[key] == own[key]
-    with pytest.raises(ValueError, match=r"eval.peers: \['dflash'\] not measured.*'medusa_tree', 'prompt_lookup'"):
-        evaluate_main(args[:-1] + ["eval.peers=[dflash]"])
+    with pytest.raises(ValueError, match=r"eval.peers: \['dflsh'\] name no method; methods: .*'dflash'"):
+        evaluate_main(args[:-1] + ["eval.peers=[dflsh]"])
+    absent = evaluate_main([*args[:2], "eval.peers=[dflash]", args[3]])
+    assert "peers" not in absent["eval"]["served"] and greedy_lossless(absent["eval"]["served"])
+    assert any(note.startswith("eval.peers: dflash not measured") for note in absent["peer_runs"]), absent["peer_runs"]
     with pytest.raises(FileNotFoundError, match="holds no Medusa heads"):
         evaluate_main(args + ["weights=checkpoints"])

@@ -25,6 +25,7 @@ class DFlash(FeatureRecipe):
     name = "dflash"
     schema = DFlashRunConfig
     serving = SERVING
+    methods = ("dflash", r"dflash_denoise\d+")
     short = ("train.epochs=1", "dflash.block_size=8", "eval.peer_runs=[]")
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:

@@ -38,6 +38,7 @@ class DSpark(DFlash):
     fresh = ("markov_head.", "confidence_head.")
     """The heads DFlash has not: fresh when the source lacks them (a DFlash drafter, or a DSpark one without a
     confidence head)."""
+    methods = ("dspark", "dspark_adaptive")
     short = ("train.epochs=1", "eval.peer_runs=[]")
 
     def default_layers(self, conf: DSparkRunConfig, target) -> list[int]:

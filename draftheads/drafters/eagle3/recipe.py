@@ -22,6 +22,7 @@ class Eagle3(FeatureRecipe):
     name = "eagle3"
     schema = Eagle3RunConfig
     serving = SERVING
+    methods = ("eagle3",)
     short = ("train.epochs=1", "eagle3.ttt_steps=2", "eagle3.gamma=3", "eagle3.draft_vocab_size=256",
              "eval.peer_runs=[]")  # a draft vocabulary under the target's: the d2t map is trained and exported
 

@@ -41,6 +41,7 @@ class Medusa(Recipe):
     fresh = ("lm_heads.",)
     """Per-head LM heads: a vLLM export always holds them (dropped when the config shares the target's LM head);
     heads saved sharing it leave per-head ones initialised from the target's."""
+    methods = ("medusa_chain", "medusa_tree", "medusa_tree_typical")
     short = ("stage1.epochs=1", "stage2.epochs=0.5", "stage2.unfreeze_last_n_layers=1")
 
     def check(self, conf: MedusaRunConfig, target) -> None:
