@@ -49,15 +49,16 @@ BUDGET = {
     "medusa": ["stage1.epochs=1", "stage2.enabled=false"],
     "dflash": ["train.epochs=3"],
     "eagle3": ["train.epochs=2"],
-    "dspark": ["train.epochs=3"],
+    "dspark": ["dspark.init_from=null", "train.epochs=3"],
 }
-"""Each drafter's shorter training for the comparison (the default jobs train 2 + 0.4, 10, 5 and 10 epochs)."""
+"""Each drafter's shorter training for the comparison, from random weights (the default jobs train 2 + 0.4, 10, 5
+epochs, and DSpark's 3 from the DFlash job's drafter)."""
 
 EPOCHS = {"medusa": 1, "dflash": 3, "eagle3": 2, "dspark": 3}
 
 EVAL = ["eval.temperatures=[0.0,0.7]", "eval.max_new_tokens=48",
         "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 12}, "
-        "{name: humaneval, source: humaneval, num_prompts: 8}]", "eval.peer_runs=[]"]
+        "{name: humaneval, source: humaneval, num_prompts: 8}]", "eval.peer_runs=[]", "eval.peers=null"]
 """The shipped held-out sets (fewer prompts than the jobs' 16 each), greedy and sampled."""
 
 

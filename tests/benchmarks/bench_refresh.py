@@ -41,12 +41,13 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGE = {"medusa": "stage1"}
 """The stage a drafter's steps are counted in (``train`` for every drafter of one stage)."""
 
-OLD = {**BUDGET, "dspark": ["train.epochs=3"]}
+OLD = BUDGET
 """The source run's training on the old target (bench_objectives' budgets; Medusa without stage 2: its heads)."""
 
 REFRESH = {"medusa": ["stage1.epochs=0.5", "stage2.enabled=false"], "dflash": ["train.epochs=1"],
-           "eagle3": ["train.epochs=1"], "dspark": ["train.epochs=1"]}
-"""The refresh's training, and the scratch run's (equal steps: the same rows, epochs and batches)."""
+           "eagle3": ["train.epochs=1"], "dspark": ["dspark.init_from=null", "train.epochs=1"]}
+"""The refresh's training, and the scratch run's (equal steps: the same rows, epochs and batches; from random
+weights unless the refresh names its source)."""
 
 SMOKE = ["+experiment=smoke"]
 """``--smoke``: the tiny random target, a few steps per run, a few prompts evaluated (proves the script runs)."""

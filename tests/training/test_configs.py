@@ -9,7 +9,6 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import MissingMandatoryValue, ValidationError
 
 from draftheads.drafters import DRAFTERS, get, register_configs
-from draftheads.drafters.medusa.config import MedusaRunConfig
 from draftheads.training.config import RegenerateConfig, to_schema
 from tests.helpers import ROOT
 
@@ -38,6 +37,21 @@ def test_dflash_defaults_and_its_own_keys():
     assert (cfg.dflash.block_size, cfg.trainer.lr, cfg.trainer.warmup_ratio) == (16, 6e-4, 0.04)
     with pytest.raises(ConfigCompositionException, match="stage2"):
         _compose("stage2.epochs=1", job="dflash")  # Medusa's keys are not DFlash's
+
+
+def test_the_dspark_job_warm_starts_where_its_target_has_a_dflash_job():
+    """SmolLM2's DSpark job starts from the DFlash job's run for fewer epochs, measuring that run's chain beside
+    its own; the command line still decides; any other target (the smoke's tiny one, Gemma 3) trains from random
+    weights for the job's own epochs, with every method its peer runs offer."""
+    def start(*overrides):
+        cfg = to_schema(_compose(*overrides, job="dspark"))
+        return cfg.dspark.init_from, cfg.train.epochs, cfg.eval.peers
+
+    assert start() == ("runs/dflash", 3, ["dspark_adaptive", "dflash"])
+    assert to_schema(_compose(job="dspark")).eval.temperatures == [0.0, 0.7]
+    assert start("train.epochs=2")[:2] == ("runs/dflash", 2)
+    assert start("dspark.init_from=null", "train.epochs=10")[:2] == (None, 10)
+    assert start("+experiment=smoke") == (None, 10, None) == start("model=gemma3")
 
 
 def test_default_is_the_real_smollm2_job():
@@ -149,11 +163,20 @@ def test_the_presets_are_found():
     assert {"data", "eval", "model", "tracker"} <= {group for group, _ in PRESETS}
 
 
+def job_of(group: str) -> str:
+    """The job a group's presets are composed into: the main job, unless only another job's defaults list names
+    the group (DSpark's warm start)."""
+    uses = [job for job in sorted(JOBS) if re.search(rf"^  - (optional )?{group}:", (CONF / f"{job}.yaml").read_text(), re.M)]
+    assert uses, f"conf/{group}/ is in no job's defaults list"
+    return "medusa" if "medusa" in uses else uses[0]
+
+
 @pytest.mark.parametrize("group, preset", PRESETS)
 def test_every_group_preset_composes(group, preset):
     extra = ["model.name_or_path=org/model"] if (group, preset) == ("model", "hf") else []  # hf names no model
-    cfg = to_schema(_compose(f"{group}={preset}", *extra))
-    assert isinstance(cfg, MedusaRunConfig)
+    job = job_of(group)
+    cfg = to_schema(_compose(f"{group}={preset}", *extra, job=job))
+    assert isinstance(cfg, JOBS[job])
     if group in ("model", "data"):  # train/regenerate.py takes the same target and data presets
         assert isinstance(to_schema(_compose(f"{group}={preset}", *extra, job="regenerate")), RegenerateConfig)
 
