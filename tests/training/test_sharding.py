@@ -108,12 +108,13 @@ def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir
         report = launch(job, tmp_path / engine, cache_dir, *own, f"data.target_states={target_states}", engine=engine)
         assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
         # EAGLE-3's unrolled steps amplify float32 reduction-order differences (1.4e-5 in an MLP weight after 36
-        # AdamW steps at the smoke rate; the curves agree to 1e-5). DSpark's Markov rows of rarely read tokens get
+        # AdamW steps at the smoke rate; the curves agree to 1e-5), as DFlash's do on some CPUs (2.6e-5 in fc on
+        # 2 AMD EPYC cores, 2026-12-02). DSpark's Markov rows of rarely read tokens get
         # gradients near AdamW's eps (both low-rank factors start at N(0, 0.02)), where such differences change the
         # step: under ZeRO-3 1-3 entries differ after 1-3 steps (< 7e-6), 3.1e-3 in 22 rows of markov_w1 after 3
         # epochs (FSDP equal to DDP exactly; the curves agree to 1.5e-6)
         assert_same_weights(weights(tmp_path / engine / recipe.vllm_weights), ref_weights,
-                            {"dflash": 1e-5, "dspark": 5e-3}.get(job, 5e-5))
+                            {"dspark": 5e-3}.get(job, 5e-5))
         assert all(greedy_lossless(m) for m in report["eval"].values())
 
 
