@@ -60,6 +60,15 @@ class SyncHiddenStatesConnector(ExampleHiddenStatesConnector):
 
 
 def extract(job: dict) -> dict:
+    """The job's prompts through vLLM, one token each; the files its connector wrote, in prompt order. An engine of
+    one worker runs in this process (executor ``uni``, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine or worker
+    process imports vLLM again. Its connector writes a request's states in the engine step after the request
+    finishes, which ``generate`` does not run: the engine steps on until every file is written."""
+    engine = dict(job.get("engine", {}))
+    alone = all(engine.get(k, 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
+    if alone:
+        engine.setdefault("distributed_executor_backend", "uni")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     from vllm import LLM, SamplingParams
     llm = LLM(model=job["target"], dtype=job["dtype"], max_model_len=job["max_model_len"], enforce_eager=True,
               generation_config="vllm",
@@ -70,9 +79,14 @@ def extract(job: dict) -> dict:
                                   "kv_connector_module_path": Path(__file__).stem, "kv_role": "kv_producer",
                                   "kv_connector_extra_config": {"shared_storage_path": job["out_dir"],
                                                                 "use_synchronization_lock": False}},
-              **job.get("engine", {}))
+              **engine)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in job["prompts"]], SamplingParams(max_tokens=1))
-    return {"files": [o.kv_transfer_params["hidden_states_path"] for o in outs]}
+    files = [o.kv_transfer_params["hidden_states_path"] for o in outs]
+    for _ in range(4):
+        if not alone or all(os.path.exists(f) for f in files):
+            break
+        llm.llm_engine.step()
+    return {"files": files}
 
 
 if __name__ == "__main__":  # run with this folder on PYTHONPATH: vLLM's processes import the connector from it

@@ -50,11 +50,15 @@ def engine_args(job: dict) -> dict:
     :data:`TRANSFORMERS_BACKEND` drafter on a target whose own vLLM class lacks ``SupportsEagle3``, as Gemma 3's
     (``model_executor/models/gemma3.py:367``): vLLM's Transformers backend runs the target's transformers code and
     implements the interface for any model (``models/transformers/base.py:107-114``, recording layer i's input at
-    :828-848). A job's own ``model_impl`` wins."""
+    :828-848). An engine of one worker runs it in this process (executor ``uni``; ``__main__`` sets
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine or worker process imports vLLM again, 17 s less per engine on
+    2 CPU cores. A job's own ``model_impl`` and executor win."""
     args = ENGINE | job.get("engine", {})
     method = (job.get("speculative_config") or {}).get("method")
     if method in TRANSFORMERS_BACKEND and "model_impl" not in args and not native_aux_states(job["target"]):
         args["model_impl"] = "transformers"
+    if all(args.get(k, 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")):
+        args.setdefault("distributed_executor_backend", "uni")
     return args
 
 
@@ -87,19 +91,14 @@ def offline(job: dict, llm=None) -> dict:
 
 
 def preflight(job: dict) -> dict:
-    """:func:`offline` on the job's prompts (a few tokens of one), then :func:`engine_reads` in the worker. One
-    process where the engine has one worker (``__main__`` sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` for this
-    mode, and the executor is ``uni``): no engine or worker process imports vLLM again, which halves the
-    preflight on 2 CPU cores. Where the engine keeps processes, the callable travels pickled
-    (``VLLM_ALLOW_INSECURE_SERIALIZATION``, also set: vLLM's ``v1/serial_utils.py:213-230`` refuses it
+    """:func:`offline` on the job's prompts (a few tokens of one), then :func:`engine_reads` in the worker. Where
+    the engine keeps processes (more than one worker), the callable travels pickled
+    (``VLLM_ALLOW_INSECURE_SERIALIZATION``, set by ``__main__``: vLLM's ``v1/serial_utils.py:213-230`` refuses it
     otherwise)."""
     from vllm import LLM
     start = time.perf_counter()
-    engine = engine_args(job)
-    sizes = [engine.get(k, 1) for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size")]
-    if sizes == [1, 1, 1]:
-        engine.setdefault("distributed_executor_backend", "uni")
-    llm = LLM(model=job["target"], speculative_config=job["speculative_config"], disable_log_stats=False, **engine)
+    llm = LLM(model=job["target"], speculative_config=job["speculative_config"], disable_log_stats=False,
+              **engine_args(job))
     result = offline(job, llm)
     return result | {"read": llm.collective_rpc(engine_reads)[0], "engine_seconds": time.perf_counter() - start}
 
@@ -216,6 +215,7 @@ if __name__ == "__main__":
     job = json.load(open(sys.argv[1])) | {"result_dir": str(Path(sys.argv[2]).parent)}
     if job["mode"] == "preflight":
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # before vLLM is imported: engine_reads travels pickled
+    if job["mode"] != "serve":  # the engine in this process (engine_args); the server keeps its own processes
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     result = {"offline": offline, "preflight": preflight, "serve": serve}[job["mode"]](job)
     json.dump(result, open(sys.argv[2], "w"))
