@@ -51,9 +51,11 @@ def ddp_medusa(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.parametrize("engine, kind", [("fsdp", "FSDP"), ("zero2", "DEEPSPEED"), ("zero3", "DEEPSPEED")])
-def test_sharded_medusa_run_trains_what_ddp_trains(engine, kind, ddp_medusa, tmp_path, cache_dir):
+def test_sharded_medusa_run_trains_what_ddp_trains_and_resumes(engine, kind, ddp_medusa, tmp_path, cache_dir):
     """Both stages under the engine: the same losses, heads and stage-2 target layers as DDP, and a lossless
-    evaluation on rank 0 with the gathered weights."""
+    evaluation on rank 0 with the gathered weights. Then the run cut after stage 1's last checkpoint but one (later
+    checkpoints and results removed) resumes from the engine's sharded checkpoint and ends with the weights of the
+    uncut run."""
     ref_out, ref = ddp_medusa
     out = tmp_path / engine
     report = launch("medusa", out, cache_dir, *MEDUSA, engine=engine)
@@ -68,6 +70,15 @@ def test_sharded_medusa_run_trains_what_ddp_trains(engine, kind, ddp_medusa, tmp
     assert_same_weights({k: trained[k] for k in layers}, layers, atol=5e-5)
     assert all(greedy_lossless(m) for m in report["eval"].values())
 
+    heads = weights(out / "medusa_heads")
+    *_, cut, last = sorted(out.glob("checkpoints/stage1-step*"))
+    for path in [last, *out.glob("checkpoints/stage2-*"), out / "medusa_heads", out / "export", out / "report.json"]:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    record_finished(out, "medusa", [])  # the ledger of a run killed in stage 1: nothing finished
+    report = launch("medusa", out, cache_dir, *MEDUSA, "resume=true", engine=engine)
+    assert report["resumed_from"].endswith(cut.name)  # continued, not restarted
+    assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
+
 
 def test_packed_batches_under_fsdp2_train_what_ddp_trains(tmp_path, cache_dir):
     """``trainer.tokens_per_batch`` under FSDP2: each rank packs its own share as under DDP, and both stages give
@@ -78,22 +89,6 @@ def test_packed_batches_under_fsdp2_train_what_ddp_trains(tmp_path, cache_dir):
     for stage in ("stage1", "stage2"):
         assert_same_curve(fsdp["train_curves"][stage], ddp["train_curves"][stage], f"{stage}/loss")
     assert_same_weights(weights(tmp_path / "fsdp" / "medusa_heads"), weights(tmp_path / "ddp" / "medusa_heads"))
-
-
-@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
-def test_sharded_checkpoints_resume_to_the_same_weights(engine, tmp_path, cache_dir):
-    """A run cut after stage 1's last checkpoint but one (later checkpoints and results removed) resumes from the
-    engine's sharded checkpoint and ends with the weights of the uncut run."""
-    out = tmp_path / "run"
-    launch("medusa", out, cache_dir, *MEDUSA, engine=engine)
-    heads = weights(out / "medusa_heads")
-    *_, cut, last = sorted(out.glob("checkpoints/stage1-step*"))
-    for path in [last, *out.glob("checkpoints/stage2-*"), out / "medusa_heads", out / "export", out / "report.json"]:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-    record_finished(out, "medusa", [])  # the ledger of a run killed in stage 1: nothing finished
-    report = launch("medusa", out, cache_dir, *MEDUSA, "resume=true", engine=engine)
-    assert report["resumed_from"].endswith(cut.name)  # continued, not restarted
-    assert_same_weights(weights(out / "medusa_heads"), heads, atol=1e-6)
 
 
 @pytest.mark.parametrize("job", FEATURE_DRAFTERS)
@@ -123,20 +118,28 @@ def bf16_rounded(t: torch.Tensor) -> bool:
     return bool((t.float().view(torch.int32) & 0xFFFF).eq(0).all())
 
 
+BF16 = ["stage1.epochs=4", "stage2.enabled=false", "eval.enabled=false", "export=false"]
+
+
+@pytest.fixture(scope="module")
+def ddp_bf16(tmp_path_factory, cache_dir):
+    out = tmp_path_factory.mktemp("ddp_bf16")
+    return out, launch("medusa", out, cache_dir, *BF16)
+
+
 @pytest.mark.parametrize("engine", ["fsdp", "zero2"])
-def test_bf16_training_keeps_float32_weights_under_every_engine(engine, tmp_path, cache_dir):
+def test_bf16_training_keeps_float32_weights_under_every_engine(engine, ddp_bf16, tmp_path, cache_dir):
     """With trainer.mixed_precision=bf16 (the default) the engines compute in bf16 but keep, reduce and hand back
     float32: the heads saved are not bf16-rounded (DeepSpeed's float32 master weights, not its bf16 copies), the
     logged losses are not bf16 values (FSDP2 returns the loss in float32), and both stay close to DDP's."""
-    args = ["stage1.epochs=4", "stage2.enabled=false", "eval.enabled=false", "export=false"]
-    ref = launch("medusa", tmp_path / "ddp", cache_dir, *args)
-    report = launch("medusa", tmp_path / engine, cache_dir, *args, engine=engine)
+    ref_out, ref = ddp_bf16
+    report = launch("medusa", tmp_path / engine, cache_dir, *BF16, engine=engine)
     heads = weights(tmp_path / engine / "medusa_heads")
     assert not all(bf16_rounded(t) for t in heads.values())
     losses = [x["stage1/loss"] for x in report["train_curves"]["stage1"]]
     assert not all(bf16_rounded(torch.tensor(v)) for v in losses)
     assert losses == pytest.approx([x["stage1/loss"] for x in ref["train_curves"]["stage1"]], rel=2e-3)
-    ddp_heads = weights(tmp_path / "ddp" / "medusa_heads")
+    ddp_heads = weights(ref_out / "medusa_heads")
     assert all(torch.allclose(heads[k], ddp_heads[k], atol=2e-2) for k in heads), \
         {k: (heads[k] - ddp_heads[k]).abs().max().item() for k in heads}
 
