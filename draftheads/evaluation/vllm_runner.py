@@ -51,8 +51,8 @@ def engine_args(job: dict) -> dict:
     (``model_executor/models/gemma3.py:367``): vLLM's Transformers backend runs the target's transformers code and
     implements the interface for any model (``models/transformers/base.py:107-114``, recording layer i's input at
     :828-848). An engine of one worker runs it in this process (executor ``uni``; ``__main__`` sets
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine or worker process imports vLLM again, 17 s less per engine on
-    2 CPU cores. A job's own ``model_impl`` and executor win."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): no engine or worker process imports vLLM again or is shut down, about
+    35 s less per engine on 2 CPU cores. A job's own ``model_impl`` and executor win."""
     args = ENGINE | job.get("engine", {})
     method = (job.get("speculative_config") or {}).get("method")
     if method in TRANSFORMERS_BACKEND and "model_impl" not in args and not native_aux_states(job["target"]):
