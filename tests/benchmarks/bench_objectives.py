@@ -3,6 +3,7 @@ by side on the same rows, steps and seed (not part of the test run).
 
     python tests/benchmarks/bench_objectives.py                       # every drafter, every setting below
     python tests/benchmarks/bench_objectives.py --drafters dflash --settings ce,dpace
+    python tests/benchmarks/bench_objectives.py --drafters eagle3 --settings fp8_cache,fp8_cache+seed1
     python tests/benchmarks/bench_objectives.py --table               # the table of the runs already made
 
 Each run is ``python train/<drafter>.py`` (its default config: SmolLM2, the main job's regenerated chitchat
@@ -15,7 +16,8 @@ Columns: ``tau`` the acceptance length as the servers count it on each set at T=
 chain; for Medusa also its tree), ``alpha per position`` the chitchat chain's acceptance rate at positions 1-5 at
 T=0, ``val loss`` the held-out teacher-forced loss (each objective's own: comparable within a row's objective
 only), ``CPU s/epoch`` the training process's user + system CPU seconds (``wait4``; start, target load, states,
-training and save) per training epoch. A last line ``RESULTS <json>`` carries every number.
+training and save) per training epoch, ``cache MiB`` the state cache's size on disk for a run that trains from
+one (its writing not counted in the CPU seconds). A last line ``RESULTS <json>`` carries every number.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 SETTINGS = {
-    "ce": [],
-    "dpace": ["{d}.position_weights=dpace"],
+    "ce": ["{d}.loss=ce", "{d}.position_weights=decay"],
+    "dpace": ["{d}.loss=ce", "{d}.position_weights=dpace"],
     "kl": ["{d}.loss=kl"],
     "lk_hybrid": ["{d}.loss=lk_hybrid"],
     "lk_dpace": ["{d}.loss=lk_hybrid", "{d}.position_weights=dpace"],
@@ -40,10 +42,17 @@ SETTINGS = {
     "noise": ["{d}.feature_noise=0.05"],
     "eagle31": ["eagle3.norm_before_fc=true", "eagle3.norm_output=true"],
     "mixture": ["data.mixture=[{source: chitchat, weight: 3}, {source: humaneval, weight: 1}]"],
+    "bf16_cache": ["data.target_states=disk", "data.target_states_dtype=bfloat16"],
+    "fp8_cache": ["data.target_states=disk", "data.target_states_dtype=float8_e4m3fn"],
+    "seed1": ["trainer.seed=1"],
 }
 """Named settings (``{d}``: the drafter's config section; ``eagle31``, speculators' EAGLE-3.1 default, is
-EAGLE-3's only; ``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat alone);
-``ce`` is today's default of every drafter."""
+EAGLE-3's only; ``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat alone;
+``bf16_cache`` and ``fp8_cache`` train from a state cache in that dtype, written first into the run's folder by
+``train/cache_hidden_states.py``; ``seed1`` another seed, for run-to-run spread). Settings joined by ``+``
+(``fp8_cache+seed1``) apply together. ``ce`` is cross-entropy with the papers' decaying position weights (Medusa's
+and EAGLE-3's default; DFlash's default is ``dpace``, DSpark's a mix of ``ce`` and ``tv``); every other setting
+changes only what it names, over the drafter's default."""
 
 BUDGET = {
     "medusa": ["stage1.epochs=1", "stage2.enabled=false"],
@@ -65,11 +74,18 @@ EVAL = ["eval.temperatures=[0.0,0.7]", "eval.max_new_tokens=48",
 def run(drafter: str, setting: str, out: Path, extra: list[str]) -> dict:
     """Train (unless finished) and evaluate one run; its numbers."""
     folder = out / f"{drafter}_{setting}"
-    overrides = [o.format(d=drafter) for o in SETTINGS[setting]] + BUDGET[drafter] + extra
+    overrides = [o.format(d=drafter) for name in setting.split("+") for o in SETTINGS[name]] + BUDGET[drafter] + extra
     report_path = folder / "report.json"
     record_path = folder / "bench.json"
     if not record_path.exists():
         env = {**os.environ, "WANDB_MODE": "offline"}
+        cache_mib = None
+        if "data.target_states=disk" in overrides:  # the state cache first, in the run's folder (not timed)
+            with open(out / f"{drafter}_{setting}.cache.log", "w") as log:
+                subprocess.run([sys.executable, str(ROOT / "train" / "cache_hidden_states.py"), "--config-name",
+                                drafter, *overrides, f"output_dir={folder}", "overwrite=true"], cwd=ROOT, env=env,
+                               stdout=log, stderr=subprocess.STDOUT, check=True)
+            cache_mib = sum(f.stat().st_size for f in (folder / "hidden_states").iterdir()) / 2**20
         cmd = [sys.executable, str(ROOT / "train" / f"{drafter}.py"), *overrides, f"output_dir={folder}",
                "tracker=none", "eval.enabled=false", "overwrite=true"]
         start = time.time()
@@ -81,11 +97,13 @@ def run(drafter: str, setting: str, out: Path, extra: list[str]) -> dict:
         cpu = usage.ru_utime + usage.ru_stime
         subprocess.run([sys.executable, str(ROOT / "train" / "evaluate.py"), str(folder), *EVAL], cwd=ROOT, env=env,
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        record_path.write_text(json.dumps({"cpu_s": cpu, "wall_s": time.time() - start, "overrides": overrides}))
+        record_path.write_text(json.dumps({"cpu_s": cpu, "wall_s": time.time() - start, "overrides": overrides,
+                                           "cache_mib": cache_mib}))
     record = json.loads(record_path.read_text())
     report = json.loads(report_path.read_text())
     return {"drafter": drafter, "setting": setting, "overrides": record["overrides"],
-            "cpu_s_per_epoch": record["cpu_s"] / EPOCHS[drafter], "validation": report["validation"],
+            "cpu_s_per_epoch": record["cpu_s"] / EPOCHS[drafter], "cache_mib": record.get("cache_mib"),
+            "validation": report["validation"],
             "eval": {name: _summary(s) for name, s in report["eval"].items()}}
 
 
@@ -97,8 +115,9 @@ def _summary(result: dict) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    head = (f"{'drafter':8} {'setting':10} {'method':13} {'chitchat T0':>11} {'T0.7':>6} {'humaneval T0':>12} "
-            f"{'T0.7':>6}  {'alpha per position (chitchat, T0)':34} {'val loss':>8} {'CPU s/epoch':>11}")
+    head = (f"{'drafter':8} {'setting':16} {'method':13} {'chitchat T0':>11} {'T0.7':>6} {'humaneval T0':>12} "
+            f"{'T0.7':>6}  {'alpha per position (chitchat, T0)':34} {'val loss':>8} {'CPU s/epoch':>11} "
+            f"{'cache MiB':>9}")
     lines = [head, "-" * len(head)]
     for r in results:
         e = r["eval"]
@@ -114,9 +133,10 @@ def table(results: list[dict]) -> str:
                     continue
                 taus.append(s["tau"] if m == s["method"] else s["peers"][m])
             alpha = " ".join(f"{a:.2f}" for a in e["chitchat"]["alpha"][:5]) if i == 0 else ""
-            lines.append(f"{r['drafter'] if i == 0 else '':8} {r['setting'] if i == 0 else '':10} {m:13} "
+            lines.append(f"{r['drafter'] if i == 0 else '':8} {r['setting'] if i == 0 else '':16} {m:13} "
                          f"{taus[0]:11.2f} {taus[1]:6.2f} {taus[2]:12.2f} {taus[3]:6.2f}  {alpha:34} "
-                         + (f"{loss:8.3f} {r['cpu_s_per_epoch']:11.0f}" if i == 0 else ""))
+                         + (f"{loss:8.3f} {r['cpu_s_per_epoch']:11.0f} {r.get('cache_mib') or float('nan'):9.1f}"
+                            if i == 0 else ""))
     return "\n".join(lines)
 
 
