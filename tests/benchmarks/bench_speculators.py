@@ -33,9 +33,10 @@ Speculators' modes:
   ``norm_before_fc`` and ``norm_output``, ``norm_before_residual``; DFlash: CE with D-PACE, 512 anchors; both:
   Muon with AdamW, lr 1e-3, weight decay 0.01/0.1, linear decay after 1% warmup). Its sizes are draftheads' all
   the same (its own default unrolls EAGLE-3 3 steps and builds DFlash 5 layers deep).
-- ``matched``: draftheads' defaults in its flags (docs/objectives.md): CE on the target's greedy tokens, positions
-  decayed (EAGLE-3 0.8 per step; DFlash ``exp(-(k-1)/7)``, its ``--dflash-decay-gamma 7``), AdamW at draftheads'
-  lr and weight decay, cosine after ``trainer.warmup_ratio``, EAGLE-3 without the 3.1 norms, DFlash with
+- ``matched``: draftheads' defaults in its flags (docs/objectives.md): CE on the target's greedy tokens, EAGLE-3's
+  steps decayed 0.8 per step, DFlash's positions weighted by D-PACE (``--per-position-loss-weight dpace``,
+  ``--dpace-alpha`` our ``dpace_floor``; under ``dflash.position_weights=decay``, ``exp(-(k-1)/7)``, its
+  ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``, EAGLE-3 without the 3.1 norms, DFlash with
   ``dflash.max_anchors`` anchors. Left different: speculators sums EAGLE-3's decayed step losses where draftheads
   takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the target's
   rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary (draftheads from
@@ -269,6 +270,9 @@ def speculators_argv(name: str, mode: str, prepared: dict, out: Path) -> list[st
                  "--norm-before-fc" if e.norm_before_fc else "--no-norm-before-fc",
                  "--norm-output" if e.norm_output else "--no-norm-output", "--no-norm-before-residual",
                  *(["--fc-norm"] if e.fc_norm else [])]
+    elif d.position_weights == "dpace":
+        argv += ["--per-position-loss-weight", "dpace", "--dpace-alpha", str(d.dpace_floor),
+                 "--max-anchors", str(d.max_anchors)]
     else:
         import math
         decay = d.position_decay or math.exp(-1 / {16: 7, 10: 5, 8: 4}.get(d.block_size, 7))
