@@ -35,8 +35,8 @@ class DFlashConfig(DrafterConfig):
     loss_decay: float | None = None
     """Removed (``RENAMED`` in draftheads/training/config.py): ``dflash.position_decay``."""
     position_weights: PositionWeights = PositionWeights.dpace
-    """D-PACE by default (speculators' and Model Optimizer's DFlash default): on SmolLM2 it lifted the default
-    job's held-out chitchat tau from 1.69 to 1.84 over ``decay`` (docs/objectives.md)."""
+    """D-PACE by default (as speculators and Model Optimizer train DFlash): the default job measured ahead of
+    ``decay`` (docs/dflash.md, Results)."""
     position_decay: float | None = None
     """Position k weighs ``position_decay ** k`` under ``position_weights: decay``; default: the paper's
     ``exp(-(k-1)/d)``, d = 7/5/4 for B = 16/10/8, i.e. ``exp(-1/d)`` (0.867 for 16)."""
