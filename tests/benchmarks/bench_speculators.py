@@ -36,7 +36,8 @@ Speculators' modes:
 - ``matched``: draftheads' defaults in its flags (docs/objectives.md): CE on the target's greedy tokens, EAGLE-3's
   steps decayed 0.8 per step, DFlash's positions weighted by D-PACE (``--per-position-loss-weight dpace``,
   ``--dpace-alpha`` our ``dpace_floor``; under ``dflash.position_weights=decay``, ``exp(-(k-1)/7)``, its
-  ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``, EAGLE-3 without the 3.1 norms, DFlash with
+  ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``,
+  EAGLE-3 without the 3.1 norms, DFlash with
   ``dflash.max_anchors`` anchors. Left different: speculators sums EAGLE-3's decayed step losses where draftheads
   takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the target's
   rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary (draftheads from
@@ -271,13 +272,13 @@ def speculators_argv(name: str, mode: str, prepared: dict, out: Path) -> list[st
                  "--norm-output" if e.norm_output else "--no-norm-output", "--no-norm-before-residual",
                  *(["--fc-norm"] if e.fc_norm else [])]
     elif d.position_weights == "dpace":
-        argv += ["--per-position-loss-weight", "dpace", "--dpace-alpha", str(d.dpace_floor),
-                 "--max-anchors", str(d.max_anchors)]
+        argv += ["--max-anchors", str(d.max_anchors), "--per-position-loss-weight", "dpace",
+                 "--dpace-alpha", str(d.dpace_floor)]
     else:
         import math
         decay = d.position_decay or math.exp(-1 / {16: 7, 10: 5, 8: 4}.get(d.block_size, 7))
-        argv += ["--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", f"{-1 / math.log(decay):.6f}",
-                 "--max-anchors", str(d.max_anchors)]
+        argv += ["--max-anchors", str(d.max_anchors), "--per-position-loss-weight", "fixed-exp-decay",
+                 "--dflash-decay-gamma", f"{-1 / math.log(decay):.6f}"]
     return argv
 
 
