@@ -41,15 +41,17 @@ SETTINGS = {
     "muon": ["trainer.optimizer=muon"],
     "noise": ["{d}.feature_noise=0.05"],
     "eagle31": ["eagle3.norm_before_fc=true", "eagle3.norm_output=true"],
+    "eagle30": ["eagle3.norm_before_fc=false", "eagle3.norm_output=false"],
     "mixture": ["data.mixture=[{source: chitchat, weight: 3}, {source: humaneval, weight: 1}]"],
     "bf16_cache": ["data.target_states=disk", "data.target_states_dtype=bfloat16"],
     "fp8_cache": ["data.target_states=disk", "data.target_states_dtype=float8_e4m3fn"],
     "seed1": ["trainer.seed=1"],
 }
-"""Named settings (``{d}``: the drafter's config section; ``eagle31``, speculators' EAGLE-3.1 default, is
-EAGLE-3's only; ``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat alone;
-``bf16_cache`` and ``fp8_cache`` train from a state cache in that dtype, written first into the run's folder by
-``train/cache_hidden_states.py``; ``seed1`` another seed, for run-to-run spread). Settings joined by ``+``
+"""Named settings (``{d}``: the drafter's config section). ``eagle31`` (speculators' EAGLE-3.1, EAGLE-3's default
+since 2026-12-03) and ``eagle30`` (without its norms, the default before: join it to reproduce the rows measured
+then) are EAGLE-3's only; ``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat
+alone; ``bf16_cache`` and ``fp8_cache`` train from a state cache in that dtype, written first into the run's folder
+by ``train/cache_hidden_states.py``; ``seed1`` another seed, for run-to-run spread. Settings joined by ``+``
 (``fp8_cache+seed1``) apply together. ``ce`` is cross-entropy with the papers' decaying position weights (Medusa's
 and EAGLE-3's default; DFlash's default is ``dpace``, DSpark's a mix of ``ce`` and ``tv``); every other setting
 changes only what it names, over the drafter's default."""

@@ -317,12 +317,15 @@ def _rms(x, weight, eps):
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def test_eagle31_is_off_by_default_and_a_drafter_without_it_is_eagle3s(tiny):
-    """The default drafter draws the same weights, holds the same tensors and feeds its pre-norm state on."""
+def test_the_job_trains_eagle31_and_a_drafter_without_its_flags_is_eagle3s(tiny):
+    """The job's default is speculators' EAGLE-3.1 (``norm_before_fc``, ``norm_output``); a drafter built or read
+    without the flags (as vLLM reads a config without the keys) draws the same weights, holds the same tensors
+    and feeds its pre-norm state on."""
     from draftheads.drafters.eagle3.config import Eagle3Config
     from draftheads.drafters.eagle3.model import norm_flags
     model, _ = tiny
-    assert not any(getattr(Eagle3Config(), name) for name in ("fc_norm", "norm_before_fc", "norm_output"))
+    assert {name: getattr(Eagle3Config(), name) for name in ("fc_norm", "norm_before_fc", "norm_output")} == \
+        {"fc_norm": False, "norm_before_fc": True, "norm_output": True}
     made = []
     for flags in ({}, dict.fromkeys(("fc_norm", "norm_before_fc", "norm_output"), False)):
         torch.manual_seed(0)
@@ -448,12 +451,16 @@ def test_the_recipe_builds_describes_and_reports_the_eagle31_flags(tiny, tmp_pat
     from draftheads.drafters.eagle3.recipe import EAGLE3
     from tests.helpers import smoke
     model, tok = tiny
-    conf = smoke("eagle3", tmp_path, tmp_path, "eagle3.fc_norm=true", "eagle3.norm_output=true")
+    conf = smoke("eagle3", tmp_path, tmp_path, "eagle3.fc_norm=true", "eagle3.norm_before_fc=false",
+                 "eagle3.norm_output=true")
     rows = [{"input_ids": torch.randint(4, 500, (16,)), "loss_mask": torch.ones(16, dtype=torch.bool)}]
     d = EAGLE3.build(conf, model, tok, rows)
     assert d.fc_norm is not None and d.input_norm is None and d.norm_output
     assert "EAGLE-3.1 fc_norm norm_output" in EAGLE3.describe(conf, d)
     report = EAGLE3.drafter_config(conf, d)
     assert (report["fc_norm"], report["norm_before_fc"], report["norm_output"]) == (True, False, True)
-    plain = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path), model, tok, rows)
+    default = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path), model, tok, rows)
+    assert default.fc_norm is None and default.input_norm is not None and default.norm_output
+    plain = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path, "eagle3.norm_before_fc=false", "eagle3.norm_output=false"),
+                         model, tok, rows)
     assert plain.fc_norm is None and plain.input_norm is None and not plain.norm_output

@@ -32,12 +32,14 @@ class Eagle3Config(DrafterConfig):
     """EAGLE-3.1 (arXiv 2605.09992): an RMSNorm on each target feature before ``fc`` (weights
     ``fc_norm.{k}.weight``, ``[target hidden]`` each), so that layers of different scales enter the fusion alike.
     Exported as vLLM reads it: config ``fc_norm`` (vLLM 0.32 ``llama_eagle3.py:231``, applied per chunk in
-    ``combine_hidden_states``, :414). Off: the EAGLE-3 drafter as before."""
-    norm_before_fc: bool = False
+    ``combine_hidden_states``, :414)."""
+    norm_before_fc: bool = True
     """One RMSNorm over the concatenated features before ``fc`` (weight ``input_norm.weight``, ``[K * target
-    hidden]``; speculators' gpt-oss drafters), applied before ``fc_norm`` when both are on. Config
-    ``norm_before_fc`` (vLLM 0.32 ``llama_eagle3.py:184``, which reads ``eagle_config`` first)."""
-    norm_output: bool = False
+    hidden]``), applied before ``fc_norm`` when both are on. Config ``norm_before_fc`` (vLLM 0.32
+    ``llama_eagle3.py:184``, which reads ``eagle_config`` first). On by default with ``norm_output``, as
+    speculators trains EAGLE-3.1: the default job measured ahead of EAGLE-3 without them (docs/eagle3.md,
+    Results); all three off: the EAGLE-3 drafter of the paper."""
+    norm_output: bool = True
     """EAGLE-3.1: each step (training-time test and drafting alike) is fed the previous step's hidden state
     after the final ``norm`` instead of before it (config ``norm_output``; vLLM 0.32 ``llama_eagle3.py:286``)."""
     features: str | None = None
