@@ -38,10 +38,10 @@ Speculators' modes:
   ``--dpace-alpha`` our ``dpace_floor``; under ``dflash.position_weights=decay``, ``exp(-(k-1)/7)``, its
   ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``,
   EAGLE-3.1's norms as draftheads' config has them (``norm_before_fc`` and ``norm_output``, on by default),
-  DFlash with ``dflash.max_anchors`` anchors. Left different: speculators sums EAGLE-3's decayed step losses where draftheads
-  takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the target's
-  rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary (draftheads from
-  the row: the target's own greedy token), and batches rows differently (above).
+  DFlash with ``dflash.max_anchors`` anchors. Left different: speculators sums EAGLE-3's decayed step losses where
+  draftheads takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the
+  target's rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary
+  (draftheads from the row: the target's own greedy token), and batches rows differently (above).
 
 Without a GPU both modes add :data:`CPU_FLAGS`, speculators' own flags for such hardware.
 
