@@ -3,6 +3,7 @@ scratch for the same steps on the same rows, on the changed target (not part of 
 
     python tests/benchmarks/bench_refresh.py                          # Medusa, DFlash and EAGLE-3 on SmolLM2
     python tests/benchmarks/bench_refresh.py --drafters dflash --medusa-run runs/medusa
+    python tests/benchmarks/bench_refresh.py --drafters dflash --settings refresh,scratch   # not the stale drafter
     python tests/benchmarks/bench_refresh.py --table                  # the table of the runs already made
     python tests/benchmarks/bench_refresh.py --smoke --out /tmp/bench_refresh_smoke   # the tiny target, minutes
 
@@ -109,6 +110,7 @@ def main() -> None:
     parser.add_argument("--drafters", default="medusa,dflash,eagle3")
     parser.add_argument("--medusa-run", default=None, help="a finished Medusa run whose stage-2 target is the changed "
                                                            "target (default: one made in --out)")
+    parser.add_argument("--settings", default="stale,refresh,scratch", help="the runs per drafter, of these")
     parser.add_argument("--out", default=str(ROOT / "runs" / "bench_refresh"))
     parser.add_argument("--smoke", action="store_true", help="the tiny target, a few steps, a few prompts")
     parser.add_argument("--table", action="store_true", help="print the runs already made, train nothing")
@@ -129,6 +131,8 @@ def main() -> None:
             cpu = train(drafter, old, OLD[drafter] + steps + extra, out / f"{drafter}_old.log")
             (old / "bench.json").write_text(json.dumps({"cpu_s": cpu, "overrides": OLD[drafter] + steps + extra}))
         for setting, overrides in settings(drafter, old, args.smoke).items():
+            if setting not in args.settings.split(","):
+                continue
             folder = out / f"{drafter}_{setting}"
             if args.table and not (folder / "bench.json").exists():
                 continue
