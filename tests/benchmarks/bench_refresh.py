@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--table", action="store_true", help="print the runs already made, train nothing")
     parser.add_argument("overrides", nargs="*", help="more overrides for every training run")
     args = parser.parse_args()
+    unknown = set(args.settings.split(",")) - {"stale", "refresh", "scratch"}
+    if unknown:
+        parser.error(f"--settings: unknown {sorted(unknown)}; the runs are stale, refresh and scratch")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = (SMOKE if args.smoke else []) + args.overrides
