@@ -114,7 +114,8 @@ def engine_reads(worker) -> dict:
       from the draft config or the target's default; under the Transformers backend the layers it records,
       ``models/transformers/base.py:828-848``), vLLM's ids (the input of decoder layer i);
     - of the draft model, where it has them: ``norm_before_fc``, ``fc_norm`` (a norm built), ``norm_output``,
-      ``num_aux_hidden_states`` (``llama_eagle3.py:178-252``), ``mask_token_id`` (``qwen3_dflash.py:472``), and
+      ``num_aux_hidden_states`` (``llama_eagle3.py:178-252``), ``norm_before_residual`` (the residual its first
+      layer takes, :101-104), ``mask_token_id`` (``qwen3_dflash.py:472``), and
       ``draft_vocabulary``: the target id of each draft token (``llama_eagle3.py:386``: ``arange`` + ``d2t``;
       None when the draft has no mapping)."""
     import torch
@@ -140,6 +141,9 @@ def engine_reads(worker) -> dict:
             read[name] = value if value is None or isinstance(value, bool) else int(value)
     if hasattr(inner, "fc_norm"):
         read["fc_norm"] = inner.fc_norm is not None
+    residual = getattr(getattr(inner, "layers", [None])[0], "_residual_norm", None)
+    if residual is not None:
+        read["norm_before_residual"] = residual.__name__ == "_norm_before_residual"
     if hasattr(draft, "draft_id_to_target_id"):
         d2t = draft.draft_id_to_target_id
         read["draft_vocabulary"] = None if d2t is None else \

@@ -37,7 +37,8 @@ Speculators' modes:
   steps decayed 0.8 per step, DFlash's positions weighted by D-PACE (``--per-position-loss-weight dpace``,
   ``--dpace-alpha`` our ``dpace_floor``; under ``dflash.position_weights=decay``, ``exp(-(k-1)/7)``, its
   ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``,
-  EAGLE-3.1's norms as draftheads' config has them (``norm_before_fc`` and ``norm_output``, on by default),
+  the norm flags as draftheads' config has them (``norm_before_fc`` and ``norm_output`` on by default,
+  ``norm_before_residual`` off),
   DFlash with ``dflash.max_anchors`` anchors. Left different: speculators sums EAGLE-3's decayed step losses where
   draftheads takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the
   target's rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary
@@ -58,8 +59,7 @@ Evaluation, the same for every export: draftheads' ``read_export`` does not read
 weights are loaded into draftheads' own drafter (:func:`to_draftheads`: names and config only) and written by
 draftheads' exporter into a run folder of its own beside draftheads' run (:func:`shadow_run`), then measured by
 ``train/evaluate.py``'s evaluator (greedy chain, the held-out eval sets) and, with ``parity=true``,
-``train/vllm_parity.py``. A drafter draftheads does not build (speculators' default EAGLE-3:
-``norm_before_residual``) is trained and timed, not measured.
+``train/vllm_parity.py``.
 
 Columns: ``steps`` optimizer steps; ``epochs`` those in passes over the training rows (each trainer's batches);
 ``CPU s/ep`` the trainer's whole process (start, target load or states read, training, validation, saving) in
@@ -80,6 +80,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from bench_reference import timed
@@ -269,7 +270,8 @@ def speculators_argv(name: str, mode: str, prepared: dict, out: Path) -> list[st
         e = conf.eagle3
         argv += ["--ttt-step-loss-decay", str(e.position_decay),
                  "--norm-before-fc" if e.norm_before_fc else "--no-norm-before-fc",
-                 "--norm-output" if e.norm_output else "--no-norm-output", "--no-norm-before-residual",
+                 "--norm-output" if e.norm_output else "--no-norm-output",
+                 "--norm-before-residual" if e.norm_before_residual else "--no-norm-before-residual",
                  *(["--fc-norm"] if e.fc_norm else [])]
     elif d.position_weights == "dpace":
         argv += ["--max-anchors", str(d.max_anchors), "--per-position-loss-weight", "dpace",
@@ -293,20 +295,16 @@ def to_draftheads(name: str, folder: Path, target) -> torch.nn.Module:
     """Speculators' checkpoint ``folder`` as draftheads' drafter of the same weights (float32), built for
     ``target`` by draftheads' own constructor and filled strictly; the layout differs only in names and config:
     EAGLE-3's ``layers.0.`` is vLLM's ``midlayer.``, its ``embed_tokens`` (the target's, frozen) is dropped; its
-    layer ids are vLLM's (each - 1 here). Raises ``ValueError`` for a drafter draftheads does not build (EAGLE-3's
-    ``norm_before_residual``, speculators' default)."""
+    layer ids are vLLM's (each - 1 here); its norm flags (``norm_before_residual`` on in speculators' defaults)
+    are read as vLLM reads them."""
     config = json.loads((folder / "config.json").read_text())
     tensors = {k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}
     if name == "eagle3":
-        from draftheads.drafters.eagle3.model import Eagle3DraftModel
-        if config.get("norm_before_residual"):
-            raise ValueError("norm_before_residual=true (hidden_norm before the residual is taken): a layer "
-                             "draftheads' EAGLE-3 does not build (load_eagle3 refuses it)")
+        from draftheads.drafters.eagle3.model import Eagle3DraftModel, norm_flags
         layers = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]
         d2t = tensors.pop("d2t").long()
         vocabulary = d2t + torch.arange(len(d2t))
-        flags = {k: bool(config.get(k, False)) for k in ("fc_norm", "norm_before_fc", "norm_output")}
-        model = Eagle3DraftModel.for_target(target, layers, vocabulary, **flags)
+        model = Eagle3DraftModel.for_target(target, layers, vocabulary, **norm_flags(SimpleNamespace(**config)))
         state = {("midlayer." + k.removeprefix("layers.0.") if k.startswith("layers.0.") else k): v
                  for k, v in tensors.items() if k not in ("embed_tokens.weight", "t2d")}
         model.load_state_dict({**state, "d2t": model.d2t, "t2d": model.t2d}, strict=True)
@@ -359,11 +357,7 @@ def measure(name: str, run_dir: Path, speculators: dict[str, Path], work: Path, 
             entry["read_export"] = "reads it as it is"
         except (FileNotFoundError, ValueError, KeyError, TypeError) as e:  # the finding: what its loader says
             entry["read_export"] = f"{type(e).__name__}: {e}"
-        try:
-            converted = to_draftheads(name, folder, run.target)
-        except ValueError as e:
-            entry["not_measured"] = str(e)
-            continue
+        converted = to_draftheads(name, folder, run.target)
         recipe.write_export(converted, work / f"{mode}-export")
         exports[f"speculators {mode}"] = shadow_run(run_dir, name, work / f"{mode}-export")
     for trainer, folder in exports.items():
@@ -425,8 +419,6 @@ def print_table(name: str, rows: dict[str, dict], prepared: dict) -> None:
     for trainer, r in rows.items():
         if "read_export" in r:
             print(f"  {trainer}: draftheads' read_export on its folder: {r['read_export']}")
-        if "not_measured" in r:
-            print(f"  {trainer}: not measured: {r['not_measured']}")
         if "parity" in r:
             verdict = "holds" if r["parity"]["ok"] else "FAILS"
             print(f"  {trainer}: vLLM parity {verdict}: " + " / ".join(r["parity"]["table"]))

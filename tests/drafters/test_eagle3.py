@@ -295,9 +295,12 @@ def test_online_features_train_like_computed_ones(tiny):
 # --- EAGLE-3.1 (arXiv 2605.09992): fc_norm, norm_before_fc, norm_output, as vLLM 0.32's llama_eagle3.py -----
 
 EAGLE31 = {"fc_norm": {"fc_norm": True}, "norm_before_fc": {"norm_before_fc": True},
-           "norm_output": {"norm_output": True}, "eagle3.1": {"fc_norm": True, "norm_output": True},
-           "all": {"fc_norm": True, "norm_before_fc": True, "norm_output": True}}
-"""Each flag alone, EAGLE-3.1 as the paper has it (per-feature norms, post-norm state fed on), and all three."""
+           "norm_output": {"norm_output": True}, "norm_before_residual": {"norm_before_residual": True},
+           "eagle3.1": {"fc_norm": True, "norm_output": True},
+           "speculators": {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+           "all": {"fc_norm": True, "norm_before_fc": True, "norm_output": True, "norm_before_residual": True}}
+"""Each flag alone, EAGLE-3.1 as the paper has it (per-feature norms, post-norm state fed on), speculators'
+default EAGLE-3 and all four."""
 
 
 def _flagged(model, drafter, **flags):
@@ -322,12 +325,12 @@ def test_the_job_trains_eagle31_and_a_drafter_without_its_flags_is_eagle3s(tiny)
     without the flags (as vLLM reads a config without the keys) draws the same weights, holds the same tensors
     and feeds its pre-norm state on."""
     from draftheads.drafters.eagle3.config import Eagle3Config
-    from draftheads.drafters.eagle3.model import norm_flags
+    from draftheads.drafters.eagle3.model import NORM_FLAGS, norm_flags
     model, _ = tiny
-    assert {name: getattr(Eagle3Config(), name) for name in ("fc_norm", "norm_before_fc", "norm_output")} == \
-        {"fc_norm": False, "norm_before_fc": True, "norm_output": True}
+    assert {name: getattr(Eagle3Config(), name) for name in NORM_FLAGS} == \
+        {"fc_norm": False, "norm_before_fc": True, "norm_output": True, "norm_before_residual": False}
     made = []
-    for flags in ({}, dict.fromkeys(("fc_norm", "norm_before_fc", "norm_output"), False)):
+    for flags in ({}, dict.fromkeys(NORM_FLAGS, False)):
         torch.manual_seed(0)
         made.append(Eagle3DraftModel.for_target(model, LAYERS, _vocabulary(model), **flags))
     assert list(made[0].state_dict()) == list(made[1].state_dict())
@@ -335,7 +338,8 @@ def test_the_job_trains_eagle31_and_a_drafter_without_its_flags_is_eagle3s(tiny)
     assert not any(k.startswith(("input_norm", "fc_norm")) for k in made[0].state_dict())
     h = torch.randn(3, model.config.hidden_size)
     assert made[0].carry(h) is h and made[0].input_norm is None and made[0].fc_norm is None
-    assert norm_flags(made[0].config) == {"fc_norm": False, "norm_before_fc": False, "norm_output": False}
+    assert norm_flags(made[0].config) == {"fc_norm": False, "norm_before_fc": False, "norm_output": False,
+                                          "norm_before_residual": False}
 
 
 def test_eagle31_norms_sit_before_fc_and_norm_output_feeds_the_next_step_its_normed_state(tiny, drafter):
@@ -364,6 +368,16 @@ def test_eagle31_norms_sit_before_fc_and_norm_output_feeds_the_next_step_its_nor
         assert not torch.allclose(out[:, :, 1:], plain[:, :, 1:], atol=1e-3)
         h = out[0, 4, 0]
         torch.testing.assert_close(d.carry(h), _rms(h, d.norm.weight, eps))
+        d = _flagged(model, drafter, **EAGLE31["norm_before_residual"])
+        with torch.no_grad():  # hidden_norm's weight away from one, so that the residual's norm shows
+            d.midlayer.hidden_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+        h, attended = torch.randn(2, 5, d.fc.out_features), torch.randn(2, model.config.num_attention_heads, 5,
+                                                                        d.midlayer.head_dim)
+        normed = _rms(h, d.midlayer.hidden_norm.weight, eps)
+        r = normed + d.midlayer.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
+        layer = d.midlayer
+        torch.testing.assert_close(layer.finish(h, attended), r + layer.mlp(layer.post_attention_layernorm(r)))
+        assert not torch.allclose(d(features, ids, attention, 3), plain, atol=1e-3)
 
 
 @pytest.mark.parametrize("flags", EAGLE31.values(), ids=EAGLE31.keys())
@@ -405,14 +419,14 @@ def test_an_eagle31_export_carries_the_keys_and_weights_vllm_reads_and_reads_bac
     path = export_eagle3(d, tmp_path / "e31")
     config = json.loads((path / "config.json").read_text())
     assert {k: config[k] for k in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")} == \
-        {"fc_norm": True, "norm_before_fc": True, "norm_output": True, "norm_before_residual": False}
+        {"fc_norm": True, "norm_before_fc": True, "norm_output": True, "norm_before_residual": True}
     tensors = load_file(str(path / "model.safetensors"))
     assert tensors["input_norm.weight"].shape == (3 * D,)
     assert [tuple(tensors[f"fc_norm.{k}.weight"].shape) for k in range(3)] == [(D,)] * 3
     assert set(tensors) == set(expected_shapes(drafter.config)) | {"input_norm.weight"} | {
         f"fc_norm.{k}.weight" for k in range(3)}
     back = load_eagle3(path, model)
-    assert list(back.state_dict()) == list(d.state_dict()) and back.norm_output
+    assert list(back.state_dict()) == list(d.state_dict()) and back.norm_output and back.midlayer.norm_before_residual
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in d.state_dict().items())
     ids, attention, features = _batch(model)
     with torch.no_grad():
@@ -435,9 +449,11 @@ def test_the_eagle31_loader_reads_flags_as_vllm_and_refuses_what_it_would_misrea
     with_config(norm_output="yes")
     with pytest.raises(ValueError, match="config.json.*norm_output.*true or false"):
         load_eagle3(path, model)
-    with_config(norm_before_residual=True)
-    with pytest.raises(ValueError, match="norm_before_residual"):
+    with_config(norm_before_residual=1)
+    with pytest.raises(ValueError, match="config.json.*norm_before_residual.*true or false"):
         load_eagle3(path, model)
+    with_config(norm_before_residual=False)  # as vLLM: the key read, the same weights, the other residual
+    assert not load_eagle3(path, model).midlayer.norm_before_residual
     # vLLM reads norm_before_fc from eagle_config before the top level
     with_config(norm_before_fc=False, eagle_config={**config["eagle_config"], "norm_before_fc": True})
     assert load_eagle3(path, model).input_norm is not None
@@ -456,7 +472,7 @@ def test_the_recipe_builds_describes_and_reports_the_eagle31_flags(tiny, tmp_pat
     rows = [{"input_ids": torch.randint(4, 500, (16,)), "loss_mask": torch.ones(16, dtype=torch.bool)}]
     d = EAGLE3.build(conf, model, tok, rows)
     assert d.fc_norm is not None and d.input_norm is None and d.norm_output
-    assert "EAGLE-3.1 fc_norm norm_output" in EAGLE3.describe(conf, d)
+    assert "norms fc_norm norm_output" in EAGLE3.describe(conf, d)
     report = EAGLE3.drafter_config(conf, d)
     assert (report["fc_norm"], report["norm_before_fc"], report["norm_output"]) == (True, False, True)
     default = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path), model, tok, rows)

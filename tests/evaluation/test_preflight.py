@@ -22,8 +22,8 @@ from draftheads.training.config import to_schema
 from tests.helpers import VLLM_TINY, VLLM_VENV, smoke
 
 ENGINE_READS = {"method", "num_speculative_tokens", "max_model_len", "draft_max_model_len", "aux_hidden_state_layers",
-                "norm_before_fc", "fc_norm", "norm_output", "num_aux_hidden_states", "mask_token_id",
-                "draft_vocabulary"}
+                "norm_before_fc", "fc_norm", "norm_output", "num_aux_hidden_states", "norm_before_residual",
+                "mask_token_id", "draft_vocabulary"}
 """What ``vllm_runner.engine_reads`` can report (a recipe expecting another name would always mismatch)."""
 
 EXPECTED = {"aux_hidden_state_layers": Expect([2, 3, 4], "config.json eagle_config.eagle_aux_hidden_state_layer_ids",
@@ -145,7 +145,7 @@ def test_a_mismatch_stops_the_job_before_its_rows_and_target_states(tmp_path, ca
         n = job["speculative_config"]["num_speculative_tokens"]
         return engine_result(method="eagle3", num_speculative_tokens=n,
                              aux_hidden_state_layers=[1, 2, 3], norm_before_fc=False, fc_norm=False, norm_output=False,
-                             num_aux_hidden_states=3, draft_vocabulary=None,
+                             norm_before_residual=False, num_aux_hidden_states=3, draft_vocabulary=None,
                              draft_max_model_len=job["engine"]["max_model_len"])
     monkeypatch.setattr(preflight_module, "run_vllm", stand_in)
     monkeypatch.setattr(train_module, "job_rows", lambda *a, **k: pytest.fail("rows built after a failed preflight"))

@@ -70,9 +70,11 @@ def test_our_counters_match_the_decoding_and_parity_needs_equal_outputs_and_tau(
 
 
 
-EAGLE31 = ["eagle3.fc_norm=true", "eagle3.norm_before_fc=true", "eagle3.norm_output=true"]
-"""EAGLE-3.1's norms, every flag vLLM 0.32's llama_eagle3.py reads (per-feature and concatenation norms before
-``fc``, the post-norm state fed to the next draft step)."""
+EAGLE31 = ["eagle3.fc_norm=true", "eagle3.norm_before_fc=true", "eagle3.norm_output=true",
+           "eagle3.norm_before_residual=true"]
+"""Every norm flag vLLM 0.32's llama_eagle3.py reads: EAGLE-3.1's (per-feature and concatenation norms before
+``fc``, the post-norm state fed to the next draft step) and ``norm_before_residual`` (the residual taken after
+``hidden_norm``)."""
 PARITY_CASES = {**{job: (job, list(drafters.get(job).short)) for job in sorted(drafters.DRAFTERS)},
                 "eagle3.1": ("eagle3", [*drafters.get("eagle3").short, *EAGLE31])}
 """Each test case's drafter and overrides of the smoke job: every registered drafter made short by its recipe
@@ -104,7 +106,8 @@ def test_vllm_reads_the_eagle31_keys_and_weights_the_eagle3_export_writes():
     text = source.read_text()
     for read in ('getattr(self.config, "fc_norm", False)', 'getattr(self.config, "norm_output", False)',
                  '"norm_before_fc", getattr(self.config, "norm_before_fc", False)',
-                 'getattr(config, "norm_before_residual", False)', "self.input_norm: RMSNorm | None = RMSNorm(",
+                 'getattr(config, "norm_before_residual", False)', "self._residual_norm = self._norm_before_residual",
+                 "self.input_norm: RMSNorm | None = RMSNorm(",
                  "self.fc_norm = nn.ModuleList(", "aux_output = hidden_states if self.norm_output else hidden_prenorm"):
         assert read in text, f"{source} no longer has {read!r}"
 
@@ -124,7 +127,7 @@ def test_smoke_exports_reach_parity_in_vllm(tmp_path, cache_dir, case):
     train(job, smoke(job, out, cache_dir, *VLLM_TINY, "eval.enabled=false", *own))
     if case == "eagle3.1":  # the export vLLM loads says so
         config = json.loads((out / "export" / "eagle3" / "config.json").read_text())
-        assert config["fc_norm"] and config["norm_before_fc"] and config["norm_output"]
+        assert all(config[k] for k in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"))
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=24",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 4}]"])
     assert [r["mode"] for r in rows] == ["offline"] and rows[0]["parity"] and rows[0]["identical"] == 1.0

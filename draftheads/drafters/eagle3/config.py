@@ -42,6 +42,10 @@ class Eagle3Config(DrafterConfig):
     norm_output: bool = True
     """EAGLE-3.1: each step (training-time test and drafting alike) is fed the previous step's hidden state
     after the final ``norm`` instead of before it (config ``norm_output``; vLLM 0.32 ``llama_eagle3.py:286``)."""
+    norm_before_residual: bool = False
+    """The decoder layer's residual stream starts at ``hidden_norm(h)`` instead of the fused feature ``h``
+    (config ``norm_before_residual``; vLLM 0.32 ``llama_eagle3.py:101-122``; on in speculators' defaults). SGLang
+    0.5.23 does not read the key and would serve such an export on the other residual (docs/serving.md)."""
     features: str | None = None
     """Removed (``RENAMED`` in draftheads/training/config.py): ``data.target_states``."""
 

@@ -9,10 +9,10 @@ Layout (checked against vLLM 0.32's ``model_executor/models/llama_eagle3.py``: `
   ``eagle_config: {use_aux_hidden_state[, eagle_aux_hidden_state_layer_ids]}`` and ``num_target_layers``. The
   layer ids are left out when they are the servers' default (vLLM and SGLang then read the same layers), else
   written as vLLM's ids (the *input* of decoder layer i: draftheads id + 1), which SGLang reads as the output of
-  layer i, one layer later (:func:`~draftheads.drafters.eagle3.model.draft_config`). EAGLE-3.1's flags as
-  top-level bools, always written: ``fc_norm`` (``llama_eagle3.py:231``), ``norm_before_fc`` (:184-188, which
-  also reads ``eagle_config``) and ``norm_output`` (:252), and ``norm_before_residual: false`` (:101; the only
-  value built here), so that no server default decides them.
+  layer i, one layer later (:func:`~draftheads.drafters.eagle3.model.draft_config`). The norm flags as
+  top-level bools, always written: EAGLE-3.1's ``fc_norm`` (``llama_eagle3.py:231``), ``norm_before_fc``
+  (:184-188, which also reads ``eagle_config``) and ``norm_output`` (:252), and ``norm_before_residual`` (:101),
+  so that no server default decides them.
 - ``model.safetensors``: with ``norm_before_fc``, ``input_norm.weight`` ``[3D]``; with ``fc_norm``,
   ``fc_norm.{0,1,2}.weight`` ``[D]`` each (vLLM prefixes ``model.``: its ``LlamaModel.input_norm`` and
   ``fc_norm`` ModuleList, :224 and :233; it drops ``input_norm.`` without ``norm_before_fc``, :464). Then
@@ -78,7 +78,7 @@ def server_config(model: Eagle3DraftModel) -> dict:
                "eagle_config": dict(c.eagle_config),
                "head_dim": c.head_dim, "rope_theta": rope.get("rope_theta", getattr(c, "rope_theta", None)),
                "tie_word_embeddings": False, "dtype": str(model.fc.weight.dtype).removeprefix("torch."),
-               **norm_flags(c), "norm_before_residual": False}
+               **norm_flags(c)}
     return config
 
 
@@ -96,9 +96,9 @@ def load_eagle3(path: str | Path, target: PreTrainedModel) -> Eagle3DraftModel:
     device).
 
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for a config that is not an EAGLE-3 draft,
-    EAGLE-3.1 flags that are not bools or a layout not built here (``norm_before_residual``), tensors that do
-    not match the layout its flags make (a norm's weight missing, or present with its flag off), a ``d2t`` that
-    is not a sorted vocabulary, or a drafter made for another target (sizes differ).
+    norm flags that are not bools, tensors that do not match the layout its flags make (a norm's weight missing,
+    or present with its flag off), a ``d2t`` that is not a sorted vocabulary, or a drafter made for another target
+    (sizes differ).
     """
     where = Path(path) / WEIGHTS
     _, tensors = read_folder(path, ("draft_vocab_size", "target_hidden_size", "num_target_layers", "eagle_config"),

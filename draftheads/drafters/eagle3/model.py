@@ -8,9 +8,10 @@ Models via Training-Time Test", arXiv 2503.01840), laid out as vLLM's ``llama_ea
   (:func:`norm_flags`): ``norm_before_fc``, one RMSNorm ``input_norm`` over the concatenation, then ``fc_norm``,
   one RMSNorm per feature (``fc_norm.{k}``), both before ``fc`` (vLLM 0.32 ``combine_hidden_states``).
 - One decoder layer (``midlayer``): attention reads ``[input_layernorm(embed(x)), hidden_norm(h)]``, 2D wide
-  (``q/k/v_proj`` take 2D); the residual stream starts at ``h`` itself; a SiLU MLP. Then ``norm`` and the
-  drafter's own LM head over ``draft_vocab_size`` tokens. The residual sum before ``norm`` is the hidden state
-  the next draft step is fed (vLLM's ``hidden_prenorm``); with EAGLE-3.1's ``norm_output``, the sum after
+  (``q/k/v_proj`` take 2D); the residual stream starts at ``h`` itself, or at ``hidden_norm(h)`` with
+  ``norm_before_residual`` (speculators' default; vLLM 0.32 ``llama_eagle3.py:101-122``); a SiLU MLP. Then
+  ``norm`` and the drafter's own LM head over ``draft_vocab_size`` tokens. The residual sum before ``norm`` is the
+  hidden state the next draft step is fed (vLLM's ``hidden_prenorm``); with EAGLE-3.1's ``norm_output``, the sum after
   ``norm`` (vLLM's ``aux_output``), in training-time test and drafting alike (:meth:`Eagle3DraftModel.carry`).
 - Row s pairs the fused feature of position s with the embedding of token s+1 and predicts token s+2, at
   RoPE position s (vLLM's EAGLE input: token ids shifted left by one beside the target's hidden states).
@@ -67,11 +68,12 @@ def draft_vocabulary(rows: list[dict], vocab_size: int, size: int) -> torch.Tens
 
 
 def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: int, fc_norm: bool = False,
-                 norm_before_fc: bool = False, norm_output: bool = False) -> LlamaConfig:
+                 norm_before_fc: bool = False, norm_output: bool = False,
+                 norm_before_residual: bool = False) -> LlamaConfig:
     """The drafter's config: a one-layer Llama config of the target's width (heads, KV heads, head_dim, MLP,
     RMSNorm eps, the RoPE of its full-attention layers, vocabulary) plus EAGLE-3's fields as the servers read
     them: ``draft_vocab_size``, ``target_hidden_size``, ``num_target_layers`` and ``eagle_config``, and the
-    EAGLE-3.1 flags as top-level bools ``fc_norm``, ``norm_before_fc``, ``norm_output`` (:func:`norm_flags`).
+    EAGLE-3.1 flags and ``norm_before_residual`` as top-level bools (:func:`norm_flags`).
 
     The servers read ``eagle_config.eagle_aux_hidden_state_layer_ids`` differently: vLLM's id i is the input of
     decoder layer i (``llama.py``: ``_maybe_add_hidden_state(aux, idx + 1, ..)`` after layer idx), SGLang's the
@@ -93,30 +95,27 @@ def draft_config(target_config, target_layer_ids: list[int], draft_vocab_size: i
     if list(target_layer_ids) != servers_default(t.num_hidden_layers):
         config.eagle_config["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in target_layer_ids]
     config.fc_norm, config.norm_before_fc, config.norm_output = bool(fc_norm), bool(norm_before_fc), bool(norm_output)
+    config.norm_before_residual = bool(norm_before_residual)
     config.architectures = ["LlamaForCausalLMEagle3"]
     return config
 
 
-NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output")
-"""EAGLE-3.1's switches, under the names vLLM 0.32's ``llama_eagle3.py`` reads from a draft config."""
+NORM_FLAGS = ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual")
+"""The drafter's norm switches, under the names vLLM 0.32's ``llama_eagle3.py`` reads from a draft config:
+EAGLE-3.1's three and ``norm_before_residual``."""
 
 
 def norm_flags(config) -> dict[str, bool]:
-    """The EAGLE-3.1 flags of a draft config, read as vLLM 0.32's ``llama_eagle3.py`` reads them (absent: off):
-    ``norm_before_fc`` from ``eagle_config`` first, else the top level (:184-188); ``fc_norm`` (:231) and
-    ``norm_output`` (:252) from the top level. Returns ``{name: bool}`` for :data:`NORM_FLAGS`.
-
-    Raises ``ValueError`` for a flag that is not a JSON bool, and for ``norm_before_residual`` true (vLLM :101:
-    ``hidden_norm`` applied before the residual is taken), a layer this drafter does not build."""
+    """The norm flags of a draft config, read as vLLM 0.32's ``llama_eagle3.py`` reads them (absent: off):
+    ``norm_before_fc`` from ``eagle_config`` first, else the top level (:184-188); ``fc_norm`` (:231),
+    ``norm_output`` (:252) and ``norm_before_residual`` (:101) from the top level. Returns ``{name: bool}`` for
+    :data:`NORM_FLAGS`. Raises ``ValueError`` for a flag that is not a JSON bool."""
     eagle = getattr(config, "eagle_config", None) or {}
     flags = {name: getattr(config, name, False) for name in NORM_FLAGS}
     flags["norm_before_fc"] = eagle.get("norm_before_fc", flags["norm_before_fc"])
     bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
     if bad:
         raise ValueError(f"EAGLE-3 draft config: {bad} must be true or false")
-    if getattr(config, "norm_before_residual", False):
-        raise ValueError("EAGLE-3 draft config: norm_before_residual=true is not built here (the residual stream "
-                         "starts at the fused feature itself, vLLM's norm_before_residual=false)")
     return flags
 
 
@@ -137,10 +136,13 @@ def layer_ids_of(config) -> tuple[int, ...]:
 class Eagle3Layer(nn.Module):
     """``midlayer``: one decoder layer whose attention reads the token embedding beside the hidden state.
     Parameters under vLLM's checkpoint names: ``input_layernorm``, ``hidden_norm``, ``self_attn.{q,k,v,o}_proj``,
-    ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``."""
+    ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``. With ``norm_before_residual``
+    (:func:`norm_flags`) the residual stream starts at ``hidden_norm(h)`` instead of ``h`` (vLLM 0.32
+    ``llama_eagle3.py:101-122``)."""
 
     def __init__(self, config: LlamaConfig):
         super().__init__()
+        self.norm_before_residual = norm_flags(config)["norm_before_residual"]
         D, hd = config.hidden_size, config.head_dim
         H, Hkv = config.num_attention_heads, config.num_key_value_heads
         self.head_dim, self.scaling = hd, hd ** -0.5
@@ -167,7 +169,8 @@ class Eagle3Layer(nn.Module):
     def finish(self, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention (``[B, H, T, hd]`` attended values) and the MLP: ``[B, T, D]``,
         before ``norm``."""
-        r = hidden + self.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
+        residual = self.hidden_norm(hidden) if self.norm_before_residual else hidden
+        r = residual + self.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
         return r + self.mlp(self.post_attention_layernorm(r))
 
 
@@ -237,8 +240,7 @@ class Eagle3DraftModel(nn.Module):
         """A fresh drafter for ``target`` (float32, on its device) over the draft ``vocabulary`` (``[V_draft]``
         sorted target ids, :func:`draft_vocabulary`): linear weights ~ N(0, initializer_range), norms at one,
         ``lm_head`` rows copied from the target's LM head rows of those tokens (the drafter starts where the
-        target's head is). ``flags``: EAGLE-3.1's ``fc_norm``, ``norm_before_fc``, ``norm_output`` (off unless
-        given; :func:`draft_config`)."""
+        target's head is). ``flags``: :data:`NORM_FLAGS` (off unless given; :func:`draft_config`)."""
         config = draft_config(target.config, target_layer_ids, len(vocabulary), **flags)
         model = cls(config, target.get_input_embeddings().weight)
         model.set_vocabulary(vocabulary)

@@ -11,7 +11,7 @@ from draftheads.drafters.eagle3.config import Eagle3RunConfig
 from draftheads.drafters.eagle3.export import export_eagle3, load_eagle3
 from draftheads.drafters.eagle3.model import (NORM_FLAGS, Eagle3DraftModel, Eagle3Drafter, default_layer_ids,
                                               draft_vocabulary, norm_flags)
-from draftheads.drafters.eagle3.serving import FLAGS, SERVING
+from draftheads.drafters.eagle3.serving import FLAGS, RESIDUAL, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.evaluation.preflight import Expect
 from draftheads.training.recipe import FeatureRecipe, Trained
@@ -45,8 +45,8 @@ class Eagle3(FeatureRecipe):
         return None
 
     def build(self, conf: Eagle3RunConfig, target, tokenizer, rows: list[dict]) -> Eagle3DraftModel:
-        """A fresh drafter whose draft vocabulary is the rows' most frequent trained tokens, with EAGLE-3.1's
-        ``eagle3.{fc_norm,norm_before_fc,norm_output}``."""
+        """A fresh drafter whose draft vocabulary is the rows' most frequent trained tokens, with the norm flags
+        ``eagle3.{fc_norm,norm_before_fc,norm_output,norm_before_residual}``."""
         vocab_size = target.config.vocab_size
         vocabulary = draft_vocabulary(rows, vocab_size, min(conf.eagle3.draft_vocab_size, vocab_size))
         flags = {name: getattr(conf.eagle3, name) for name in NORM_FLAGS}
@@ -56,7 +56,7 @@ class Eagle3(FeatureRecipe):
         on = [name for name, value in norm_flags(drafter.config).items() if value]
         return (f"EAGLE-3, target layers {list(drafter.target_layer_ids)}, draft vocabulary {len(drafter.d2t)} of "
                 f"{drafter.config.vocab_size}, {conf.eagle3.ttt_steps} training-time-test steps"
-                + (f", EAGLE-3.1 {' '.join(on)}" if on else ""))
+                + (f", norms {' '.join(on)}" if on else ""))
 
     def training(self, conf: Eagle3RunConfig, drafter: Eagle3DraftModel, target, online: bool) -> Eagle3Training:
         return Eagle3Training(drafter, target, conf.eagle3.ttt_steps, self.objective(conf), online=online)
@@ -87,8 +87,10 @@ class Eagle3(FeatureRecipe):
         return Eagle3Drafter(trained.model, conf.eagle3.gamma)
 
     def serving_variant(self, conf: Eagle3RunConfig, trained: Trained) -> str:
-        """EAGLE-3.1's rows when any of its norm flags is on (``serving.json`` then names the lines that read them)."""
-        return FLAGS if any(norm_flags(trained.model.config).values()) else ""
+        """``norm_before_residual``'s rows when it is on (SGLang does not read it), else EAGLE-3.1's when any of
+        its norm flags is (``serving.json`` then names the lines that read them)."""
+        flags = norm_flags(trained.model.config)
+        return RESIDUAL if flags["norm_before_residual"] else FLAGS if any(flags.values()) else ""
 
     def draft_length(self, conf: Eagle3RunConfig, trained: Trained) -> int:
         """``eagle3.gamma``: the drafter decodes autoregressively, as many steps as asked."""
@@ -97,7 +99,7 @@ class Eagle3(FeatureRecipe):
     layer_key = "config.json eagle_config.eagle_aux_hidden_state_layer_ids (none: the target's default layers)"
 
     def served_reads(self, conf: Eagle3RunConfig, trained: Trained, target) -> dict[str, Expect]:
-        """The layers (:meth:`FeatureRecipe.served_reads`) and their count, EAGLE-3.1's norm flags as
+        """The layers (:meth:`FeatureRecipe.served_reads`) and their count, the norm flags as
         ``eagle3.*`` sets them, and the draft vocabulary (target id of each draft token; None: the target's own,
         no ``d2t`` written)."""
         model, e = trained.model, conf.eagle3
@@ -108,6 +110,7 @@ class Eagle3(FeatureRecipe):
                                                        "first)"),
             "fc_norm": Expect(e.fc_norm, "config.json fc_norm"),
             "norm_output": Expect(e.norm_output, "config.json norm_output"),
+            "norm_before_residual": Expect(e.norm_before_residual, "config.json norm_before_residual"),
             "draft_vocabulary": Expect(vocabulary, "model.safetensors d2t", "arange + d2t")}
 
 

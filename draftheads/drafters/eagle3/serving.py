@@ -8,6 +8,8 @@ from draftheads.evaluation.serving import SGLANG_0523, TGI_337, VLLM_032, VLLM_0
 
 FLAGS = "EAGLE-3.1 flags"
 """The variant of an export with any of ``eagle3.{fc_norm,norm_before_fc,norm_output}`` on."""
+RESIDUAL = "norm_before_residual"
+"""The variant of an export with ``eagle3.norm_before_residual`` on (with or without EAGLE-3.1's flags)."""
 SPEC = "'{\"method\": \"eagle3\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
 VLLM_CPU = f"python -m vllm.entrypoints.openai.api_server --model $target --speculative-config {SPEC}"
 VLLM_GPU = f"vllm serve $target --speculative-config {SPEC}"
@@ -45,8 +47,20 @@ EAGLE31 = Served("export/eagle3", "eagle3", {
     SGLANG_0523.key: Cell(True, "`srt/models/llama_eagle3.py:173-174` (`norm_before_fc`, from `eagle_config` first), "
                                 ":185 (`fc_norm`), :207 (`norm_output`), applied at :239-246 and :268, weights loaded "
                                 "as `model.<name>` (:372)", SGLANG,
-                          "read, not run; it has no `norm_before_residual`, which the export writes false; " + LAYERS),
+                          "read, not run; " + LAYERS),
     TGI_337.key: NO_TGI,
 }, variant=FLAGS)
 
-SERVING = (EXPORT, EAGLE31)
+NORM_BEFORE_RESIDUAL = Served("export/eagle3", "eagle3", {
+    VLLM_032.key: Cell(True, "`model_executor/models/llama_eagle3.py:101-122` (`norm_before_residual`: the residual "
+                             "taken after `hidden_norm`)", VLLM_CPU,
+                       "parity with draftheads verified here with it on: tests/evaluation/test_vllm_parity.py"),
+    VLLM_033.key: Cell(True, "`model_executor/models/llama_eagle3.py:101-122` (identical to 0.32's, diffed)",
+                       VLLM_GPU, NO_GEMMA3),
+    SGLANG_0523.key: Cell(False, "`srt/models/llama_eagle3.py:98-100` takes the residual before `hidden_norm` "
+                                 "always and reads no `norm_before_residual`: it would load the export and serve "
+                                 "another drafter"),
+    TGI_337.key: NO_TGI,
+}, variant=RESIDUAL)
+
+SERVING = (EXPORT, EAGLE31, NORM_BEFORE_RESIDUAL)
