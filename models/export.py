@@ -44,13 +44,13 @@ def read_folder(path: str | Path, required: tuple[str, ...], kind: str,
                 weights: str = "model.safetensors") -> tuple[dict, dict[str, torch.Tensor]]:
     """``config.json`` (as a dict) and the tensors of a folder :func:`write_folder` wrote. Raises
     ``FileNotFoundError`` naming the missing file, ``ValueError`` naming a ``required`` config field that is
-    missing (then the folder is not a ``kind``)."""
+    missing (then the folder is not ``kind``, which carries its article: "an EAGLE-3 draft")."""
     path = Path(path)
     for name in ("config.json", weights):
         if not (path / name).exists():
-            raise FileNotFoundError(f"{path}: no {name} (a {kind} export holds config.json and {weights})")
+            raise FileNotFoundError(f"{path}: no {name} ({kind} export holds config.json and {weights})")
     raw = json.loads((path / "config.json").read_text())
     for key in required:
         if key not in raw:
-            raise ValueError(f"{path / 'config.json'}: missing field {key!r}; not a {kind} config")
+            raise ValueError(f"{path / 'config.json'}: missing field {key!r}; not {kind} config")
     return raw, load_file(str(path / weights))

@@ -81,7 +81,7 @@ def load_dflash(path: str | Path, target: PreTrainedModel) -> DFlashDraftModel:
     Raises ``FileNotFoundError`` for a missing file, ``ValueError`` for a config that is not a DFlash draft,
     tensors that do not match the layout, or a drafter made for another target (sizes differ).
     """
-    _, tensors = read_folder(path, ("block_size", "num_target_layers", "dflash_config"), "DFlash draft", WEIGHTS)
+    _, tensors = read_folder(path, ("block_size", "num_target_layers", "dflash_config"), "a DFlash draft", WEIGHTS)
     config = AutoConfig.from_pretrained(path)
     check_tensors(tensors, expected_shapes(config), Path(path) / WEIGHTS)
     model = DFlashDraftModel(config, target.get_input_embeddings().weight, target.get_output_embeddings())

@@ -80,7 +80,7 @@ def load_dspark(path: str | Path, target: PreTrainedModel) -> DSparkDraftModel:
     blocks that do not draft from the anchor), tensors that do not match the layout (a Markov head's tensors
     beside another type included), or a drafter made for another target.
     """
-    raw, tensors = read_folder(path, KEYS, "DSpark draft", WEIGHTS)
+    raw, tensors = read_folder(path, KEYS, "a DSpark draft", WEIGHTS)
     if raw.get("architectures") != ["Qwen3DSparkModel"] or raw["sample_from_anchor"] is not True \
             or raw["markov_head_type"] not in MARKOV_HEADS:
         raise ValueError(f"{Path(path) / 'config.json'}: not a DSpark draft this layout writes (architectures "

@@ -102,7 +102,7 @@ def load_eagle3(path: str | Path, target: PreTrainedModel) -> Eagle3DraftModel:
     """
     where = Path(path) / WEIGHTS
     _, tensors = read_folder(path, ("draft_vocab_size", "target_hidden_size", "num_target_layers", "eagle_config"),
-                             "EAGLE-3 draft", WEIGHTS)
+                             "an EAGLE-3 draft", WEIGHTS)
     config = AutoConfig.from_pretrained(path)
     try:
         norm_flags(config)
