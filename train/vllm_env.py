@@ -2,6 +2,7 @@
 ours); ``train/vllm_parity.py`` makes it on first use, this makes it ahead of time.
 
     python train/vllm_env.py .vllm-venv
+    python train/vllm_env.py              # $DRAFTHEADS_CACHE/vllm-venv, where the jobs look when none is named
 
 CI makes it before draftheads is installed, with the standard-library-only module itself:
 ``python3 draftheads/evaluation/vllm_env.py .vllm-venv``.
@@ -15,4 +16,4 @@ from pathlib import Path
 from draftheads.evaluation.vllm_env import ensure_vllm
 
 if __name__ == "__main__":
-    print(ensure_vllm(Path(sys.argv[1])))
+    print(ensure_vllm(Path(sys.argv[1]) if len(sys.argv) > 1 else None))

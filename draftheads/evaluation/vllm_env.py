@@ -51,4 +51,4 @@ def probe_vllm(python: str | Path) -> dict:
 
 
 if __name__ == "__main__":
-    print(ensure_vllm(Path(sys.argv[1])))
+    print(ensure_vllm(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
