@@ -11,7 +11,9 @@ Options: ``drafters=`` (``eagle3,dflash``), ``modes=`` (speculators' settings: `
 (``train.max_steps``), ``check_rows=`` (rows whose states vLLM recomputes for the check below, default 4; 0 skips
 it), ``rows=`` (a quick check only: speculators gets the first that many training rows and an eighth as many
 held-out ones, draftheads all of them),
-``parity=true`` (also ``train/vllm_parity.py`` on every export), ``vllm_venv=``, ``speculators_venv=``. Any other
+``parity=true`` (also ``train/vllm_parity.py`` on every export), ``vllm_venv=``, ``speculators_venv=``,
+``draftheads=`` (an earlier benchmark's ``<work>/<drafter>/draftheads`` run of the same steps, measured again
+instead of trained again: with one drafter, to add a speculators mode later). Any other
 ``key=value`` overrides ``conf/eagle3.yaml`` and ``conf/dflash.yaml`` (a key under ``eagle3.``/``dflash.`` only its
 drafter's). Speculators' environment is made on first use (``$DRAFTHEADS_CACHE/speculators-venv``: the CPU torch
 2.13, then ``speculators==0.9.0`` with its pins, transformers <= 5.19); ``speculators_driver.py`` runs its
@@ -111,7 +113,7 @@ FIXED = ["tracker=none", "eval.enabled=false"]
 """Draftheads trains and exports; every export is evaluated here afterwards, alike."""
 EVAL = ["eval.enabled=true", "eval.prompt_lookup_tokens=0", "eval.peers=[]", "eval.peer_runs=[]"]
 OPTIONS = ("drafters=", "modes=", "epochs=", "max_steps=", "check_rows=", "rows=", "parity=", "vllm_venv=",
-           "speculators_venv=")
+           "speculators_venv=", "draftheads=")
 MODES = ("defaults", "matched")
 CPU_FLAGS = ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
 """Speculators' own flags for a machine without a GPU (its defaults cannot run there): its default
@@ -375,10 +377,23 @@ def measure(name: str, run_dir: Path, speculators: dict[str, Path], work: Path, 
 
 
 def train_draftheads(name: str, overrides: list[str], out: Path) -> dict:
-    """``train/<name>.py`` with ``overrides``, timed (:func:`~bench_reference.timed`), and its optimizer steps."""
+    """``train/<name>.py`` with ``overrides``, timed (:func:`~bench_reference.timed`), and its optimizer steps;
+    written to ``<out>.json`` too (what :func:`earlier_draftheads` reads)."""
     run = timed([sys.executable, f"train/{name}.py", *overrides, f"output_dir={out}"], out.with_suffix(".log"))
     report = json.loads((out / "report.json").read_text())
-    return {**run, "steps": report["train_curves"][name][-1]["step"]}
+    measured = {**run, "steps": report["train_curves"][name][-1]["step"]}
+    out.with_suffix(".json").write_text(json.dumps(measured, indent=1))
+    return measured
+
+
+def earlier_draftheads(folder: Path, steps: int) -> dict:
+    """An earlier benchmark's draftheads run (``draftheads=<its work folder>/<drafter>/draftheads``), measured
+    again instead of trained again: its numbers from ``<folder>.json``. Raises ``ValueError`` when it trained
+    another number of steps than this benchmark's."""
+    measured = json.loads(folder.with_suffix(".json").read_text())
+    if measured["steps"] != steps:
+        raise ValueError(f"{folder}: {measured['steps']} optimizer steps, this benchmark's are {steps}")
+    return measured
 
 
 def train_speculators(python: Path, name: str, mode: str, prepared: dict, out: Path) -> dict:
@@ -427,6 +442,8 @@ def print_table(name: str, rows: dict[str, dict], prepared: dict) -> None:
 def main(argv: list[str]) -> None:
     options = dict(a.split("=", 1) for a in argv if a.startswith(OPTIONS))
     names = options.get("drafters", "eagle3,dflash").split(",")
+    if "draftheads" in options and len(names) != 1:
+        raise SystemExit("draftheads=DIR reuses one drafter's run: name that drafter alone (drafters=eagle3)")
     modes = options.get("modes", ",".join(MODES)).split(",")
     check_rows, rows_limit = int(options.get("check_rows", 4)), int(options.get("rows", 0))
     parity = options.get("parity", "false").lower() == "true"
@@ -446,10 +463,15 @@ def main(argv: list[str]) -> None:
         for mode in modes:
             print(f"{name}: speculators ({mode}), {prepared['steps']} steps (log: {home / mode}.log)", flush=True)
             rows[f"speculators {mode}"] = train_speculators(python, name, mode, prepared, home / mode)
-        print(f"{name}: draftheads, {prepared['steps']} steps (log: {home / 'draftheads'}.log)", flush=True)
-        rows = {"draftheads": {**train_draftheads(name, overrides, home / "draftheads"),
-                               "epochs": prepared["epochs"]}, **rows}
-        measured = measure(name, home / "draftheads", {m: home / m for m in modes}, home, parity, vllm_venv)
+        if "draftheads" in options:
+            run_dir = Path(options["draftheads"]).resolve()
+            draftheads = earlier_draftheads(run_dir, prepared["steps"])
+        else:
+            run_dir = home / "draftheads"
+            print(f"{name}: draftheads, {prepared['steps']} steps (log: {run_dir}.log)", flush=True)
+            draftheads = train_draftheads(name, overrides, run_dir)
+        rows = {"draftheads": {**draftheads, "epochs": prepared["epochs"]}, **rows}
+        measured = measure(name, run_dir, {m: home / m for m in modes}, home, parity, vllm_venv)
         rows = {trainer: {**r, **measured.get(trainer, {})} for trainer, r in rows.items()}
         rows["draftheads"]["trained"] = rows["draftheads"].get("parameters")  # it trains every drafter parameter
         print_table(name, rows, prepared)
