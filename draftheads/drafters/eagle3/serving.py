@@ -54,7 +54,8 @@ EAGLE31 = Served("export/eagle3", "eagle3", {
 NORM_BEFORE_RESIDUAL = Served("export/eagle3", "eagle3", {
     VLLM_032.key: Cell(True, "`model_executor/models/llama_eagle3.py:101-122` (`norm_before_residual`: the residual "
                              "taken after `hidden_norm`)", VLLM_CPU,
-                       "parity with draftheads verified here with it on: tests/evaluation/test_vllm_parity.py"),
+                       "its engine reports the key read as written (tests/evaluation/test_preflight.py) and parity "
+                       "with draftheads holds with it on (tests/evaluation/test_vllm_parity.py)"),
     VLLM_033.key: Cell(True, "`model_executor/models/llama_eagle3.py:101-122` (identical to 0.32's, diffed)",
                        VLLM_GPU, NO_GEMMA3),
     SGLANG_0523.key: Cell(False, "`srt/models/llama_eagle3.py:98-100` takes the residual before `hidden_norm` "
