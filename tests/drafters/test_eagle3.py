@@ -292,7 +292,7 @@ def test_online_features_train_like_computed_ones(tiny):
     assert "target_features" in computed.required_fields and "target_features" not in online.required_fields
 
 
-# --- EAGLE-3.1 (arXiv 2605.09992): fc_norm, norm_before_fc, norm_output, as vLLM 0.32's llama_eagle3.py -----
+# --- the norm flags: EAGLE-3.1's (arXiv 2605.09992) and norm_before_residual, as vLLM 0.32's llama_eagle3.py --
 
 EAGLE31 = {"fc_norm": {"fc_norm": True}, "norm_before_fc": {"norm_before_fc": True},
            "norm_output": {"norm_output": True}, "norm_before_residual": {"norm_before_residual": True},
@@ -344,8 +344,8 @@ def test_the_job_trains_eagle31_and_a_drafter_without_its_flags_is_eagle3s(tiny)
 
 def test_eagle31_norms_sit_before_fc_and_norm_output_feeds_the_next_step_its_normed_state(tiny, drafter):
     """fc_norm: one RMSNorm per feature; norm_before_fc: one over the concatenation, applied first (vLLM's
-    combine_hidden_states); norm_output: step 0 unchanged, every later step fed norm(state). Each changes the
-    drafter's output."""
+    combine_hidden_states); norm_output: step 0 unchanged, every later step fed norm(state);
+    norm_before_residual: the layer's residual stream starts at hidden_norm(h). Each changes the drafter's output."""
     model, _ = tiny
     ids, attention, features = _batch(model)
     eps = model.config.rms_norm_eps
@@ -368,16 +368,14 @@ def test_eagle31_norms_sit_before_fc_and_norm_output_feeds_the_next_step_its_nor
         assert not torch.allclose(out[:, :, 1:], plain[:, :, 1:], atol=1e-3)
         h = out[0, 4, 0]
         torch.testing.assert_close(d.carry(h), _rms(h, d.norm.weight, eps))
-        d = _flagged(model, drafter, **EAGLE31["norm_before_residual"])
-        with torch.no_grad():  # hidden_norm's weight away from one, so that the residual's norm shows
-            d.midlayer.hidden_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
-        h, attended = torch.randn(2, 5, d.fc.out_features), torch.randn(2, model.config.num_attention_heads, 5,
-                                                                        d.midlayer.head_dim)
-        normed = _rms(h, d.midlayer.hidden_norm.weight, eps)
-        r = normed + d.midlayer.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
-        layer = d.midlayer
-        torch.testing.assert_close(layer.finish(h, attended), r + layer.mlp(layer.post_attention_layernorm(r)))
+        d = _flagged(model, drafter, **EAGLE31["norm_before_residual"])  # plain's weights, the flag alone differs
         assert not torch.allclose(d(features, ids, attention, 3), plain, atol=1e-3)
+        layer = d.midlayer
+        layer.hidden_norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))  # away from one
+        h = torch.randn(2, 5, d.fc.out_features)
+        attended = torch.randn(2, model.config.num_attention_heads, 5, layer.head_dim)
+        r = _rms(h, layer.hidden_norm.weight, eps) + layer.self_attn.o_proj(attended.transpose(1, 2).flatten(2))
+        torch.testing.assert_close(layer.finish(h, attended), r + layer.mlp(layer.post_attention_layernorm(r)))
 
 
 @pytest.mark.parametrize("flags", EAGLE31.values(), ids=EAGLE31.keys())
