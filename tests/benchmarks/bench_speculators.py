@@ -41,7 +41,8 @@ Speculators' modes:
   ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``,
   the norm flags as draftheads' config has them (``norm_before_fc`` and ``norm_output`` on by default,
   ``norm_before_residual`` off),
-  DFlash with ``dflash.max_anchors`` anchors. Left different: speculators sums EAGLE-3's decayed step losses where
+  DFlash with as many blocks per token as ``dflash.max_anchors`` a row gives (speculators draws its anchors per
+  packed sequence, draftheads per row: :func:`anchors_per_pack`). Left different: speculators sums EAGLE-3's decayed step losses where
   draftheads takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the
   target's rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary
   (draftheads from the row: the target's own greedy token), and batches rows differently (above).
@@ -238,8 +239,20 @@ def prepare(name: str, cfg, work: Path, check_rows: int, vllm_venv: str | None, 
         from draftheads.drafters.dflash.model import choose_mask_token
         prepared["mask_token_id"] = choose_mask_token(job.tokenizer, target.config.vocab_size,
                                                       conf.dflash.mask_token_id)
+        prepared["anchors_per_pack"] = anchors_per_pack(train_rows, conf.dflash.max_anchors, t.tokens_per_batch)
     close_job(job, {})
     return prepared
+
+
+def anchors_per_pack(rows: list[dict], max_anchors: int, tokens: int | None) -> int:
+    """Speculators' ``--max-anchors`` that trains as many DFlash blocks per token as draftheads'
+    ``dflash.max_anchors``. Draftheads draws its anchors per row (``sample_anchors``: at most ``max_anchors`` of a
+    row's response tokens followed by a response token), speculators per packed sequence of up to ``tokens``
+    tokens (``speculators/models/dflash/utils.py`` ``select_anchors``, on its ``[1, total_seq_len]`` loss mask).
+    Returns draftheads' blocks per token over ``rows`` times ``tokens`` (1280 if None), rounded."""
+    mask = [r["loss_mask"].bool() for r in rows]
+    blocks = sum(min(max_anchors, int((m[:-1] & m[1:]).sum())) for m in mask)
+    return max(1, round(blocks * (tokens or 1280) / sum(len(r["input_ids"]) for r in rows)))
 
 
 def vllm_ids(layers: list[int]) -> list[str]:
@@ -276,12 +289,13 @@ def speculators_argv(name: str, mode: str, prepared: dict, out: Path) -> list[st
                  "--norm-before-residual" if e.norm_before_residual else "--no-norm-before-residual",
                  *(["--fc-norm"] if e.fc_norm else [])]
     elif d.position_weights == "dpace":
-        argv += ["--max-anchors", str(d.max_anchors), "--per-position-loss-weight", "dpace",
+        argv += ["--max-anchors", str(prepared["anchors_per_pack"]), "--per-position-loss-weight", "dpace",
                  "--dpace-alpha", str(d.dpace_floor)]
     else:
         import math
         decay = d.position_decay or math.exp(-1 / {16: 7, 10: 5, 8: 4}.get(d.block_size, 7))
-        argv += ["--max-anchors", str(d.max_anchors), "--per-position-loss-weight", "fixed-exp-decay",
+        argv += ["--max-anchors", str(prepared["anchors_per_pack"]),
+                 "--per-position-loss-weight", "fixed-exp-decay",
                  "--dflash-decay-gamma", f"{-1 / math.log(decay):.6f}"]
     return argv
 
