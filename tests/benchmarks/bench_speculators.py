@@ -42,10 +42,11 @@ Speculators' modes:
   the norm flags as draftheads' config has them (``norm_before_fc`` and ``norm_output`` on by default,
   ``norm_before_residual`` off),
   DFlash with as many blocks per token as ``dflash.max_anchors`` a row gives (speculators draws its anchors per
-  packed sequence, draftheads per row: :func:`anchors_per_pack`). Left different: speculators sums EAGLE-3's decayed step losses where
-  draftheads takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's draft LM head frozen at the
-  target's rows (draftheads trains it), takes CE labels from the target's argmax over the draft vocabulary
-  (draftheads from the row: the target's own greedy token), and batches rows differently (above).
+  packed sequence, draftheads per row: :func:`anchors_per_pack`). Left different: speculators sums EAGLE-3's
+  decayed step losses where draftheads takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's
+  draft LM head frozen at the target's rows (draftheads trains it), takes CE labels from the target's argmax over
+  the draft vocabulary (draftheads from the row: the target's own greedy token), and batches rows differently
+  (above).
 
 Without a GPU both modes add :data:`CPU_FLAGS`, speculators' own flags for such hardware.
 
