@@ -96,6 +96,7 @@ from safetensors.torch import load_file, save_file
 
 from draftheads import drafters
 from draftheads.drafters import register_configs
+from draftheads.drafters.dflash.model import anchor_candidates
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.runs.life import close_job, evaluate_drafter, open_job
@@ -248,11 +249,10 @@ def prepare(name: str, cfg, work: Path, check_rows: int, vllm_venv: str | None, 
 def anchors_per_pack(rows: list[dict], max_anchors: int, tokens: int | None) -> int:
     """Speculators' ``--max-anchors`` that trains as many DFlash blocks per token as draftheads'
     ``dflash.max_anchors``. Draftheads draws its anchors per row (``sample_anchors``: at most ``max_anchors`` of a
-    row's response tokens followed by a response token), speculators per packed sequence of up to ``tokens``
+    row's ``anchor_candidates``), speculators per packed sequence of up to ``tokens``
     tokens (``speculators/models/dflash/utils.py`` ``select_anchors``, on its ``[1, total_seq_len]`` loss mask).
     Returns draftheads' blocks per token over ``rows`` times ``tokens`` (1280 if None), rounded."""
-    mask = [r["loss_mask"].bool() for r in rows]
-    blocks = sum(min(max_anchors, int((m[:-1] & m[1:]).sum())) for m in mask)
+    blocks = sum(min(max_anchors, int(anchor_candidates(r["loss_mask"].bool()[None]).sum())) for r in rows)
     return max(1, round(blocks * (tokens or 1280) / sum(len(r["input_ids"]) for r in rows)))
 
 

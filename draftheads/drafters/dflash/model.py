@@ -279,8 +279,22 @@ def block_attention_mask(anchors: torch.Tensor, context_valid: torch.Tensor, blo
     return torch.cat([sees_context, sees_block], dim=-1)[:, None]
 
 
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Positions a block may start at: response tokens whose next token is a response token too.
+
+    Args:
+        loss_mask: ``[B, T]`` bool, True on response (trainable) tokens.
+    Returns:
+        ``[B, T]`` bool (the last position never: it has no next token).
+    """
+    candidates = loss_mask.clone()
+    candidates[:, :-1] &= loss_mask[:, 1:]
+    candidates[:, -1] = False
+    return candidates
+
+
 def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Random anchor positions among response tokens whose next token is a response token too.
+    """Random anchor positions among :func:`anchor_candidates`.
 
     Args:
         loss_mask: ``[B, T]`` bool, True on response (trainable) tokens.
@@ -288,9 +302,7 @@ def sample_anchors(loss_mask: torch.Tensor, max_anchors: int, generator: torch.G
     Returns:
         ``[B, A]`` int64 sorted positions, -1 padding; A = the largest count in the batch (>= 1).
     """
-    candidates = loss_mask.clone()
-    candidates[:, :-1] &= loss_mask[:, 1:]
-    candidates[:, -1] = False
+    candidates = anchor_candidates(loss_mask)
     scores = torch.rand(loss_mask.shape, generator=generator).to(loss_mask.device).masked_fill(~candidates, -1.0)
     A = max(1, min(max_anchors, int(candidates.sum(1).max())))
     top, index = scores.topk(A, dim=1)
