@@ -33,22 +33,32 @@ def make_optimizer(trainer, module: nn.Module, groups: list[dict], sharded: bool
     Returns:
         ``torch.optim.AdamW`` (adamw), or a :class:`MuonWithAdamW` (muon).
     Raises:
-        ValueError: ``trainer.optimizer`` is not an :class:`~draftheads.training.config.Optimizer` word; muon with
-            ``sharded``: DeepSpeed hands the optimizer flat 1-D partitions, which Muon cannot take, and FSDP2
-            DTensor shards, on which it is untested here.
+        ValueError: as :func:`check_optimizer`.
     """
+    check_optimizer(trainer.optimizer, sharded)
     if Optimizer(trainer.optimizer) == Optimizer.adamw:
         return torch.optim.AdamW(groups, weight_decay=trainer.weight_decay)
-    if sharded:
-        raise ValueError("trainer.optimizer=muon is not supported under FSDP or DeepSpeed (Muon orthogonalises whole "
-                         "weight matrices; these engines hand the optimizer shards): train with DDP or one process, "
-                         "or with trainer.optimizer=adamw")
     hidden = {id(p) for p in muon_params(module)}
     adamw = torch.optim.AdamW([{**g, "params": [p for p in g["params"] if id(p) not in hidden]} for g in groups],
                               weight_decay=trainer.weight_decay)
     muon = torch.optim.Muon([{**g, "params": [p for p in g["params"] if id(p) in hidden]} for g in groups],
                             weight_decay=trainer.weight_decay, adjust_lr_fn="match_rms_adamw")
     return MuonWithAdamW(adamw, muon)
+
+
+def check_optimizer(optimizer: str, sharded: bool) -> None:
+    """Raise before any work if ``trainer.optimizer`` cannot train here (called again when the run starts, before
+    the target loads: :func:`~draftheads.training.runtime.make_accelerator`).
+
+    Raises:
+        ValueError: ``optimizer`` is not an :class:`~draftheads.training.config.Optimizer` word; muon with
+            ``sharded`` (FSDP or DeepSpeed): DeepSpeed hands the optimizer flat 1-D partitions, which Muon cannot
+            take, and FSDP2 DTensor shards, on which it is untested here.
+    """
+    if Optimizer(optimizer) == Optimizer.muon and sharded:
+        raise ValueError("trainer.optimizer=muon is not supported under FSDP or DeepSpeed (Muon orthogonalises whole "
+                         "weight matrices; these engines hand the optimizer shards): train with DDP or one process, "
+                         "or with trainer.optimizer=adamw (EAGLE-3's job defaults to muon)")
 
 
 def muon_params(module: nn.Module) -> list[nn.Parameter]:

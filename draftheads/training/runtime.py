@@ -15,7 +15,8 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from draftheads.training.sharding import check_engine, keep_models_whole
+from draftheads.training.optimizer import check_optimizer
+from draftheads.training.sharding import check_engine, keep_models_whole, sharded
 
 TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
 
@@ -43,6 +44,7 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
         raise RuntimeError(f"{launched} processes were launched but accelerate set up {accelerator.num_processes}: "
                            f"check the accelerate config (distributed type {accelerator.distributed_type})")
     check_engine(accelerator)
+    check_optimizer(cfg.trainer.optimizer, sharded(accelerator))
     keep_models_whole(accelerator)
     set_seed(cfg.trainer.seed)
     return accelerator
