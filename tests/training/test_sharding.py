@@ -96,7 +96,7 @@ def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir
     """The drafters that read target layers, under FSDP on cached features and under ZeRO-3 with the target
     running online: the same losses and drafter as DDP."""
     recipe = drafters.get(job)
-    own = [*recipe.short, "trainer.mixed_precision=no"]
+    own = [*recipe.short, "trainer.mixed_precision=no", "trainer.optimizer=adamw"]  # Muon refuses these engines
     ref = launch(job, tmp_path / "ddp", cache_dir, *own)
     ref_weights = weights(tmp_path / "ddp" / recipe.vllm_weights)
     for engine, target_states in (("fsdp", "memory"), ("zero3", "online")):
@@ -154,3 +154,17 @@ def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir
     assert proc.returncode != 0
     assert "the launch asked for FSDP but accelerate set up" in proc.stderr
     assert "accelerate runs FSDP on GPUs only" in proc.stderr
+
+
+def test_muon_under_a_sharding_engine_is_refused_before_the_target_loads(tmp_path, cache_dir):
+    """EAGLE-3's job defaults to Muon, which FSDP and DeepSpeed cannot run: launched under FSDP it stops as the
+    accelerator is set up, naming the fix, before loading the target."""
+    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1", "DRAFTHEADS_SHARDING_ON_CPU": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_sharding"), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "fsdp.yaml"),
+           "--num_processes", "1", str(ROOT / "train" / "eagle3.py"), "+experiment=smoke",
+           *drafters.get("eagle3").short, f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "trainer.optimizer=muon is not supported under FSDP or DeepSpeed" in proc.stderr
+    assert "target:" not in proc.stdout + proc.stderr  # the line the target's load prints
