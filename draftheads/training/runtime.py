@@ -23,7 +23,14 @@ TRACKERS = {"wandb": "wandb", "tensorboard": "tensorboard", "none": None}
 
 def make_accelerator(cfg: DictConfig) -> Accelerator:
     """An Accelerator for the configured tracker, seeded; the tracker is started by :func:`start_tracker`, once
-    the run's folder is claimed (its files are the run's)."""
+    the run's folder is claimed (its files are the run's).
+
+    Raises:
+        RuntimeError: accelerate set up other processes or another engine than the launch asked for
+            (:func:`~draftheads.training.sharding.check_engine`).
+        ValueError: FSDP version 1 (the same), or a ``trainer.optimizer`` that cannot train under this engine
+            (:func:`~draftheads.training.optimizer.check_optimizer`): before the target loads.
+    """
     log_with = TRACKERS[str(cfg.tracker.name)]
     # Rank 0 works alone while the others wait at a barrier (regenerating an uncached dataset, the final
     # validation, export and evaluation): the collective timeout must outlast that, not torch's default.

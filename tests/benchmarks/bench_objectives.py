@@ -39,6 +39,7 @@ SETTINGS = {
     "lk_hybrid": ["{d}.loss=lk_hybrid"],
     "lk_dpace": ["{d}.loss=lk_hybrid", "{d}.position_weights=dpace"],
     "muon": ["trainer.optimizer=muon"],
+    "adamw": ["trainer.optimizer=adamw"],
     "noise": ["{d}.feature_noise=0.05"],
     "eagle31": ["eagle3.norm_before_fc=true", "eagle3.norm_output=true"],
     "eagle30": ["eagle3.norm_before_fc=false", "eagle3.norm_output=false"],
@@ -49,11 +50,12 @@ SETTINGS = {
 }
 """Named settings (``{d}``: the drafter's config section). ``eagle31`` (speculators' EAGLE-3.1, EAGLE-3's default
 since 2026-12-03) and ``eagle30`` (without its norms, the default before: join it to reproduce the rows measured
-then) are EAGLE-3's only; ``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat
-alone; ``bf16_cache`` and ``fp8_cache`` train from a state cache in that dtype, written first into the run's folder
-by ``train/cache_hidden_states.py``; ``seed1`` another seed, for run-to-run spread. Settings joined by ``+``
-(``fp8_cache+seed1``) apply together. ``ce`` is cross-entropy with the papers' decaying position weights (Medusa's
-and EAGLE-3's default; DFlash's default is ``dpace``, DSpark's a mix of ``ce`` and ``tv``); every other setting
+then) are EAGLE-3's only; ``adamw`` is the other drafters' optimizer, EAGLE-3's before 2026-12-04 (Muon since);
+``mixture`` trains on chitchat and HumanEval's training rows, 3:1, instead of chitchat alone; ``bf16_cache`` and
+``fp8_cache`` train from a state cache in that dtype, written first into the run's folder by
+``train/cache_hidden_states.py``; ``seed1`` another seed, for run-to-run spread. Settings joined by ``+``
+(``fp8_cache+seed1``) apply together. ``ce`` is cross-entropy with the papers' decaying position weights (Medusa's and
+EAGLE-3's default; DFlash's default is ``dpace``, DSpark's a mix of ``ce`` and ``tv``); every other setting
 changes only what it names, over the drafter's default."""
 
 BUDGET = {

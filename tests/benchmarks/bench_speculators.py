@@ -38,7 +38,8 @@ Speculators' modes:
 - ``matched``: draftheads' defaults in its flags (docs/objectives.md): CE on the target's greedy tokens, EAGLE-3's
   steps decayed 0.8 per step, DFlash's positions weighted by D-PACE (``--per-position-loss-weight dpace``,
   ``--dpace-alpha`` our ``dpace_floor``; under ``dflash.position_weights=decay``, ``exp(-(k-1)/7)``, its
-  ``--dflash-decay-gamma 7``), AdamW at draftheads' lr and weight decay, cosine after ``trainer.warmup_ratio``,
+  ``--dflash-decay-gamma 7``), draftheads' optimizer (``trainer.optimizer``) at its lr and weight decay, cosine after
+  ``trainer.warmup_ratio``,
   the norm flags as draftheads' config has them (``norm_before_fc`` and ``norm_output`` on by default,
   ``norm_before_residual`` off),
   DFlash with as many blocks per token as ``dflash.max_anchors`` a row gives (speculators draws its anchors per
