@@ -39,15 +39,13 @@ Speculators' modes:
   steps decayed 0.8 per step, DFlash's positions weighted by D-PACE (``--per-position-loss-weight dpace``,
   ``--dpace-alpha`` our ``dpace_floor``; under ``dflash.position_weights=decay``, ``exp(-(k-1)/7)``, its
   ``--dflash-decay-gamma 7``), draftheads' optimizer (``trainer.optimizer``) at its lr and weight decay, cosine after
-  ``trainer.warmup_ratio``,
-  the norm flags as draftheads' config has them (``norm_before_fc`` and ``norm_output`` on by default,
-  ``norm_before_residual`` off),
-  DFlash with as many blocks per token as ``dflash.max_anchors`` a row gives (speculators draws its anchors per
-  packed sequence, draftheads per row: :func:`anchors_per_pack`). Left different: speculators sums EAGLE-3's
-  decayed step losses where draftheads takes their weighted mean (a constant factor under Adam), keeps EAGLE-3's
-  draft LM head frozen at the target's rows (draftheads trains it), takes CE labels from the target's argmax over
-  the draft vocabulary (draftheads from the row: the target's own greedy token), and batches rows differently
-  (above).
+  ``trainer.warmup_ratio``, the norm flags as draftheads' config has them (``norm_before_fc`` and ``norm_output`` on
+  by default, ``norm_before_residual`` off), DFlash with as many blocks per token as ``dflash.max_anchors`` a row
+  gives (speculators draws its anchors per packed sequence, draftheads per row: :func:`anchors_per_pack`). Left
+  different: speculators sums EAGLE-3's decayed step losses where draftheads takes their weighted mean (a constant
+  factor under Adam), keeps EAGLE-3's draft LM head frozen at the target's rows (draftheads trains it), takes CE
+  labels from the target's argmax over the draft vocabulary (draftheads from the row: the target's own greedy token),
+  and batches rows differently (above).
 
 Without a GPU both modes add :data:`CPU_FLAGS`, speculators' own flags for such hardware.
 
@@ -250,8 +248,8 @@ def prepare(name: str, cfg, work: Path, check_rows: int, vllm_venv: str | None, 
 def anchors_per_pack(rows: list[dict], max_anchors: int, tokens: int | None) -> int:
     """Speculators' ``--max-anchors`` that trains as many DFlash blocks per token as draftheads'
     ``dflash.max_anchors``. Draftheads draws its anchors per row (``sample_anchors``: at most ``max_anchors`` of a
-    row's ``anchor_candidates``), speculators per packed sequence of up to ``tokens``
-    tokens (``speculators/models/dflash/utils.py`` ``select_anchors``, on its ``[1, total_seq_len]`` loss mask).
+    row's ``anchor_candidates``), speculators per packed sequence of up to ``tokens`` tokens
+    (``speculators/models/dflash/utils.py`` ``select_anchors``, on its ``[1, total_seq_len]`` loss mask).
     Returns draftheads' blocks per token over ``rows`` times ``tokens`` (1280 if None), rounded."""
     blocks = sum(min(max_anchors, int(anchor_candidates(r["loss_mask"].bool()[None]).sum())) for r in rows)
     return max(1, round(blocks * (tokens or 1280) / sum(len(r["input_ids"]) for r in rows)))
