@@ -64,13 +64,20 @@ ENGINES = {
 through tests/cpu_sharding (see its sitecustomize), which lifts that one gate."""
 
 
-def launch(job: str, output_dir: Path, cache_dir, *overrides: str, engine: str = "ddp") -> dict:
-    """``accelerate launch <engine> --num_processes 2 train/<job>.py +experiment=smoke ...`` on CPU (gloo);
-    asserts it succeeded and returns its report."""
+def launch_env(cache_dir, engine: str = "ddp") -> dict:
+    """The environment of a job launched on CPU under ``engine``: the test cache, one thread per process, and for
+    FSDP or DeepSpeed the tests/cpu_sharding gate."""
     env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     if engine != "ddp":
         env |= {"DRAFTHEADS_SHARDING_ON_CPU": "1",
                 "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_sharding"), env.get("PYTHONPATH", "")])}
+    return env
+
+
+def launch(job: str, output_dir: Path, cache_dir, *overrides: str, engine: str = "ddp") -> dict:
+    """``accelerate launch <engine> --num_processes 2 train/<job>.py +experiment=smoke ...`` on CPU (gloo);
+    asserts it succeeded and returns its report."""
+    env = launch_env(cache_dir, engine)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine], "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            str(ROOT / "train" / f"{job}.py"), "+experiment=smoke", *overrides, f"output_dir={output_dir}"]

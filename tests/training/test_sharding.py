@@ -2,7 +2,6 @@
 trains (same global batches, float32), hand plain weights to rank 0's evaluation and export, and resume from
 their sharded checkpoints."""
 
-import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from safetensors.torch import load_file
 from draftheads import drafters
 from draftheads.training.ledger import record_finished
 from draftheads.training.recipe import FeatureRecipe
-from tests.helpers import ROOT, SMOKE_STAGES, greedy_lossless, launch
+from tests.helpers import ENGINES, ROOT, SMOKE_STAGES, greedy_lossless, launch, launch_env
 
 pytest.importorskip("deepspeed")
 
@@ -147,7 +146,7 @@ def test_bf16_training_keeps_float32_weights_under_every_engine(engine, ddp_bf16
 def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir):
     """FSDP asked for on CPU without the test gate: accelerate would silently fall back to data parallelism;
     the job refuses to run under another engine than the one requested, and says why."""
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    env = launch_env(cache_dir)  # no cpu_sharding gate: accelerate falls back
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "fsdp.yaml"),
            "--num_processes", "1", str(ROOT / "train" / "medusa.py"), "+experiment=smoke", f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -159,12 +158,10 @@ def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir
 def test_muon_under_a_sharding_engine_is_refused_before_the_target_loads(tmp_path, cache_dir):
     """EAGLE-3's job defaults to Muon, which FSDP and DeepSpeed cannot run: launched under FSDP it stops as the
     accelerator is set up, naming the fix, before loading the target."""
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1", "DRAFTHEADS_SHARDING_ON_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "cpu_sharding"), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "fsdp.yaml"),
-           "--num_processes", "1", str(ROOT / "train" / "eagle3.py"), "+experiment=smoke",
-           *drafters.get("eagle3").short, f"output_dir={tmp_path}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES["fsdp"], "--num_processes", "1",
+           str(ROOT / "train" / "eagle3.py"), "+experiment=smoke", *drafters.get("eagle3").short,
+           f"output_dir={tmp_path}"]
+    proc = subprocess.run(cmd, env=launch_env(cache_dir, "fsdp"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "trainer.optimizer=muon is not supported under FSDP or DeepSpeed" in proc.stderr
     assert "target:" not in proc.stdout + proc.stderr  # the line the target's load prints
