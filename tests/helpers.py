@@ -74,14 +74,19 @@ def launch_env(cache_dir, engine: str = "ddp") -> dict:
     return env
 
 
+def launch_cmd(job: str, launch_args: list[str], *args: str) -> list[str]:
+    """``accelerate launch <launch_args> train/<job>.py <args>`` as the tests run it on CPU: one machine, no mixed
+    precision, no dynamo (``launch_args``: the engine and ``--num_processes``)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_machines", "1",
+            "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / f"{job}.py"), *args]
+
+
 def launch(job: str, output_dir: Path, cache_dir, *overrides: str, engine: str = "ddp") -> dict:
     """``accelerate launch <engine> --num_processes 2 train/<job>.py +experiment=smoke ...`` on CPU (gloo);
     asserts it succeeded and returns its report."""
-    env = launch_env(cache_dir, engine)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine], "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-           str(ROOT / "train" / f"{job}.py"), "+experiment=smoke", *overrides, f"output_dir={output_dir}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    cmd = launch_cmd(job, [*ENGINES[engine], "--num_processes", "2"], "+experiment=smoke", *overrides,
+                     f"output_dir={output_dir}")
+    proc = subprocess.run(cmd, env=launch_env(cache_dir, engine), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((Path(output_dir) / "report.json").read_text())
 

@@ -18,7 +18,7 @@ from draftheads.data.regenerate import GenerationSettings, OpenAIBackend, answer
 from draftheads.data.sources import PromptSource
 from draftheads.drafters import register_configs
 from draftheads.training.config import DataConfig
-from tests.helpers import CONF, ROOT
+from tests.helpers import CONF, launch_cmd, launch_env
 
 
 register_configs()
@@ -300,19 +300,13 @@ def test_chat_template_option_takes_jinja_text_or_a_file(tmp_path, cache_dir):
 def test_two_ranks_share_the_regeneration_and_match_one_process(tmp_path):
     """accelerate launch with 2 processes: each rank answers its share, rank 0 merges; the cached answers
     equal those of a 1-process run with its own cache (greedy, so the same)."""
-    import os
     import subprocess
-    import sys
-    root = ROOT
     files, logs = {}, {}
     for procs, name in ((["--multi_gpu", "--num_processes", "2"], "two"), (["--num_processes", "1"], "one")):
         cache = tmp_path / f"cache_{name}"
-        env = {**os.environ, "DRAFTHEADS_CACHE": str(cache), "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *procs, "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", str(root / "train" / "medusa.py"),
-               "+experiment=smoke", "stage1.max_steps=1", "stage2.enabled=false", "eval.enabled=false",
-               "export=false", f"output_dir={tmp_path / name}"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        cmd = launch_cmd("medusa", procs, "+experiment=smoke", "stage1.max_steps=1", "stage2.enabled=false",
+                         "eval.enabled=false", "export=false", f"output_dir={tmp_path / name}")
+        proc = subprocess.run(cmd, env=launch_env(cache), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         (files[name],) = (cache / "regenerated").glob("*.jsonl")
         logs[name] = proc.stdout

@@ -2,9 +2,7 @@
 refusing a cache made for something else or corrupted, written by several ranks, and read by training."""
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,8 @@ from draftheads import drafters
 from draftheads.jobs.cache import cache_states
 from draftheads.runs.life import train
 from draftheads.models.target import record_layer_outputs
-from tests.helpers import ROOT, SMOKE_STAGES, VLLM_TINY, VLLM_VENV, run_dflash, run_eagle3, run_medusa, smoke
+from tests.helpers import (SMOKE_STAGES, VLLM_TINY, VLLM_VENV, launch_cmd, launch_env, run_dflash, run_eagle3,
+                           run_medusa, smoke)
 
 
 
@@ -215,15 +214,13 @@ def test_eagle3_trains_on_its_three_layer_cache_as_in_memory(tmp_path, cache_dir
 @pytest.mark.slow
 def test_two_ranks_write_their_shares_of_one_cache(tmp_path, cache_dir, tiny):
     """accelerate launch with 2 processes: each writes its shards; the cache equals a 1-process build."""
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     common = ["+experiment=smoke", "data.cache_shard_rows=8", "data.target_states_dtype=float32",
               f"cache_dir={cache_dir}"]
     stdout = {}
     for procs, name in ((["--multi_gpu", "--num_processes", "2"], "two"), (["--num_processes", "1"], "one")):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *procs, "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / "cache_hidden_states.py"),
-               *common, f"output_dir={tmp_path / name}", f"data.target_states_dir={tmp_path / name / 'hs'}"]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        cmd = launch_cmd("cache_hidden_states", procs, *common, f"output_dir={tmp_path / name}",
+                         f"data.target_states_dir={tmp_path / name / 'hs'}")
+        proc = subprocess.run(cmd, env=launch_env(cache_dir), capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         stdout[name] = proc.stdout
     assert "[rank 0] wrote 4 shards" in stdout["two"] and "[rank 1] wrote 3 shards" in stdout["two"]

@@ -3,7 +3,6 @@
 training (resumed to the same weights as a run never killed)."""
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from draftheads.training.checkpoint import complete_checkpoints, latest_checkpoi
 from draftheads.training.config import StageConfig, TrainerConfig
 from draftheads.runs.output_dir import check_writable
 from draftheads.training.spine import fit
-from tests.helpers import ROOT, SMOKE_STAGES, cut_back, run_medusa, smoke
+from tests.helpers import ROOT, SMOKE_STAGES, cut_back, launch_cmd, launch_env, run_medusa, smoke
 
 
 
@@ -211,7 +210,7 @@ def test_a_run_killed_with_sigkill_resumes_to_the_same_weights(tmp_path, cache_d
     its heads equal, bit for bit, those of the same job never interrupted, with either ``trainer.optimizer``."""
     args = ["+experiment=smoke", *SMOKE_STAGES, "stage2.enabled=false", "eval.enabled=false", "export=false",
             "trainer.checkpoint_every=3", f"trainer.optimizer={optimizer}", f"cache_dir={cache_dir}"]
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
+    env = launch_env(cache_dir)
 
     def launch(out: Path, *extra: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(ROOT / "train" / "medusa.py"), *args, f"output_dir={out}",
@@ -247,12 +246,11 @@ def test_a_rank_that_dies_ends_every_rank_promptly(tmp_path, cache_dir):
     """One of two DDP ranks is killed mid-training: the launcher and the other rank end within a minute with
     an error, instead of the survivor waiting in a collective until the timeout."""
     import psutil
-    env = {**os.environ, "DRAFTHEADS_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / "medusa.py"),
-           "+experiment=smoke", *SMOKE_STAGES, "stage1.epochs=200", "trainer.checkpoint_every=2", f"output_dir={out}"]
-    launcher = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = launch_cmd("medusa", ["--multi_gpu", "--num_processes", "2"], "+experiment=smoke", *SMOKE_STAGES,
+                     "stage1.epochs=200", "trainer.checkpoint_every=2", f"output_dir={out}")
+    launcher = subprocess.Popen(cmd, env=launch_env(cache_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
     deadline = time.time() + 300
     while not list(out.glob("checkpoints/stage1-*/meta.json")):  # training is under way on both ranks
         assert launcher.poll() is None, launcher.stderr.read()[-2000:]

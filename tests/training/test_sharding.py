@@ -4,7 +4,6 @@ their sharded checkpoints."""
 
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from safetensors.torch import load_file
 from draftheads import drafters
 from draftheads.training.ledger import record_finished
 from draftheads.training.recipe import FeatureRecipe
-from tests.helpers import ENGINES, ROOT, SMOKE_STAGES, greedy_lossless, launch, launch_env
+from tests.helpers import ENGINES, SMOKE_STAGES, greedy_lossless, launch, launch_cmd, launch_env
 
 pytest.importorskip("deepspeed")
 
@@ -146,9 +145,9 @@ def test_bf16_training_keeps_float32_weights_under_every_engine(engine, ddp_bf16
 def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir):
     """FSDP asked for on CPU without the test gate: accelerate would silently fall back to data parallelism;
     the job refuses to run under another engine than the one requested, and says why."""
+    cmd = launch_cmd("medusa", [*ENGINES["fsdp"], "--num_processes", "1"], "+experiment=smoke",
+                     f"output_dir={tmp_path}")
     env = launch_env(cache_dir)  # no cpu_sharding gate: accelerate falls back
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "launch" / "fsdp.yaml"),
-           "--num_processes", "1", str(ROOT / "train" / "medusa.py"), "+experiment=smoke", f"output_dir={tmp_path}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "the launch asked for FSDP but accelerate set up" in proc.stderr
@@ -158,9 +157,8 @@ def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir
 def test_muon_under_a_sharding_engine_is_refused_before_the_target_loads(tmp_path, cache_dir):
     """EAGLE-3's job defaults to Muon, which FSDP and DeepSpeed cannot run: launched under FSDP it stops as the
     accelerator is set up, naming the fix, before loading the target."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES["fsdp"], "--num_processes", "1",
-           str(ROOT / "train" / "eagle3.py"), "+experiment=smoke", *drafters.get("eagle3").short,
-           f"output_dir={tmp_path}"]
+    cmd = launch_cmd("eagle3", [*ENGINES["fsdp"], "--num_processes", "1"], "+experiment=smoke",
+                     *drafters.get("eagle3").short, f"output_dir={tmp_path}")
     proc = subprocess.run(cmd, env=launch_env(cache_dir, "fsdp"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "trainer.optimizer=muon is not supported under FSDP or DeepSpeed" in proc.stderr
