@@ -411,7 +411,8 @@ def earlier_draftheads(folder: Path, steps: int) -> dict:
 
 
 def train_speculators(python: Path, name: str, mode: str, prepared: dict, out: Path) -> dict:
-    """Speculators' ``train`` in ``mode`` through the driver, timed, with its steps and epochs."""
+    """Speculators' ``train`` in ``mode`` through the driver, timed, with its steps and epochs; written to
+    ``<out>/measured.json`` too, so that a run stopped later keeps its trainer's cost."""
     argv = speculators_argv(name, mode, prepared, out)
     if not torch.cuda.is_available():
         argv += CPU_FLAGS
@@ -420,8 +421,10 @@ def train_speculators(python: Path, name: str, mode: str, prepared: dict, out: P
     settings.write_text(json.dumps({"argv": argv, "steps": prepared["steps"], "out": str(out)}, indent=1))
     run = timed([python, DRIVER, settings], out.with_suffix(".log"))
     driver = json.loads((out / "driver.json").read_text())
-    return {**run, "steps": driver["steps"], "epochs": driver["epochs"], "trained": driver.get("trained"),
-            "argv": argv}
+    measured = {**run, "steps": driver["steps"], "epochs": driver["epochs"], "trained": driver.get("trained"),
+                "argv": argv}
+    (out / "measured.json").write_text(json.dumps(measured, indent=1))
+    return measured
 
 
 def table_row(name: str, r: dict) -> str:
