@@ -33,6 +33,7 @@ from draftheads.choice import Choice
 from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.packed_attention import rows_attend_alone
 from draftheads.models.partial import load_partial_model, named_weights
+from draftheads.models.precision import auto_dtype
 from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_template_text
 
 
@@ -42,6 +43,9 @@ class Dtype(Choice):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+    auto = "auto"
+    """bfloat16 where this machine computes it natively (a GPU; a CPU with AVX512-BF16 or AMX), float32 where bf16
+    would be emulated (:func:`~draftheads.models.precision.auto_dtype`); a training job records the choice."""
 
 
 @dataclass
@@ -54,7 +58,7 @@ class TargetSpec:
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids."""
     dtype: Dtype = Dtype.float32
-    """Weights dtype: float32, bfloat16 or float16."""
+    """Weights dtype: float32, bfloat16, float16 or auto (bfloat16 where it is native, else float32)."""
     chat_template: str | None = None
     """A Jinja chat template replacing the tokenizer's own, for a base model without one or a template that
     mishandles the data: the text, a shipped template's name (``gemma3``...) or a path to a file holding one."""
@@ -72,7 +76,10 @@ class TargetSpec:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """``"float32"`` -> ``torch.float32``; ``ValueError`` naming the allowed names otherwise."""
+    """``"float32"`` -> ``torch.float32``, ``"auto"`` -> :func:`~draftheads.models.precision.auto_dtype` on this
+    machine; ``ValueError`` naming the allowed names otherwise."""
+    if name == "auto":
+        return auto_dtype()[0]
     allowed = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if name not in allowed:
         raise ValueError(f"model.dtype={name!r} is not one of {sorted(allowed)}")

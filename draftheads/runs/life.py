@@ -39,7 +39,7 @@ from draftheads.training.checkpoint import latest_checkpoint
 from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
 from draftheads.training.ledger import finished_steps, record_finished, start_ledger
 from draftheads.training.recipe import Recipe, Trained
-from draftheads.training.runtime import distributed, make_accelerator, print0, start_tracker
+from draftheads.training.runtime import distributed, make_accelerator, print0, settle_precision, start_tracker
 
 
 @dataclass
@@ -55,6 +55,8 @@ class Job:
     identity: dict
     resume: tuple[Path, dict] | None
     """The checkpoint to continue from (``resume=true``) and its meta."""
+    precision: str
+    """What ``trainer.mixed_precision`` and ``model.dtype`` were settled to on this machine, and why."""
 
 
 def train(name: str, cfg: DictConfig) -> dict:
@@ -107,7 +109,9 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         check_partial(conf)
     out = Path(conf.output_dir)
     claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
+    precision = settle_precision(cfg, conf)  # auto: bf16 where this machine has it natively, else float32
     accelerator = make_accelerator(cfg)
+    print0(accelerator, precision)
     if accelerator.is_main_process:
         check_writable(out)
         claim_job_dir(conf, recipe, delete=True)
@@ -129,7 +133,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     if accelerator.is_main_process:
         OmegaConf.save(cfg, out / "config.yaml", resolve=True)
         (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
-    return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume)
+    return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume, precision)
 
 
 def check_partial(conf: RunConfig) -> None:
@@ -191,7 +195,7 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
                                                      if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
     report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
               "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
-              "dtype": conf.model.dtype, "resumed_from": str(job.resume[0]) if job.resume else None,
+              "dtype": conf.model.dtype, "precision": job.precision, "resumed_from": str(job.resume[0]) if job.resume else None,
               "init_from": trained.init_from,
               "validation": val, **extra, "notes": NOTES}
     report |= recipe.save(job, trained)

@@ -69,6 +69,10 @@ class TargetStates(Choice):
 
 class MixedPrecision(Choice):
     """Autocast of training forwards (``trainer.mixed_precision``; in YAML write ``'no'`` quoted)."""
+    auto = "auto"
+    """bf16 where this machine computes it natively (a GPU; a CPU with AVX512-BF16 or AMX), float32 where bf16
+    would be emulated, tens of times slower (:func:`~draftheads.models.precision.choose_precision`). The choice is
+    printed at the start and recorded in ``config.yaml`` and the report."""
     bf16 = "bf16"
     fp16 = "fp16"
     no = "no"
@@ -291,9 +295,11 @@ class TrainerConfig:
     lr: float = 1e-3
     optimizer: Optimizer = Optimizer.adamw
     """adamw, or muon on hidden weight matrices with AdamW on the rest (:class:`Optimizer`)."""
-    mixed_precision: MixedPrecision = MixedPrecision.bf16
-    """Autocast for training forwards: bf16, fp16 or no. Weights and optimizer states stay float32; the
-    LM-head projections that dominate head training run ~2.4x faster in bf16 even on AVX512-BF16 CPUs."""
+    mixed_precision: MixedPrecision = MixedPrecision.auto
+    """Autocast for training forwards: auto (bf16 where native, else float32), bf16, fp16 or no. Weights and
+    optimizer states stay float32. The LM-head projections that dominate head training run ~2.4x faster in bf16 on
+    CPUs with AVX512-BF16, and tens of times slower on CPUs without it (an explicit bf16 there is kept, with a
+    warning)."""
     weight_decay: float = 0.0
     warmup_ratio: float = 0.05
     max_grad_norm: float = 1.0
@@ -513,7 +519,24 @@ def to_schema(cfg: DictConfig):
     renamed = [f"{old} is now {new}" for old, new in RENAMED.items() if OmegaConf.select(cfg, old) is not None]
     if renamed:
         raise ValueError(f"removed config key(s): {'; '.join(renamed)}")
-    return OmegaConf.to_object(cfg)
+    conf = OmegaConf.to_object(cfg)
+    _check_stages(conf)
+    return conf
+
+
+def _check_stages(conf) -> None:
+    """``ValueError`` naming each enabled stage (a :class:`StageConfig` field) that would train nothing:
+    ``epochs`` not above 0, ``max_steps`` below 1 (the spine would still take a step and call it finished)."""
+    bad = []
+    for f in dataclasses.fields(conf) if dataclasses.is_dataclass(conf) else ():
+        stage = getattr(conf, f.name)
+        if isinstance(stage, StageConfig) and stage.enabled:
+            bad += [f"{f.name}.epochs={stage.epochs}"] if not stage.epochs > 0 else []
+            bad += [f"{f.name}.max_steps={stage.max_steps}"] if stage.max_steps is not None and stage.max_steps < 1 \
+                else []
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: an enabled stage trains for epochs > 0 and max_steps >= 1 (null: no cap); "
+                         f"<stage>.enabled=false skips a stage")
 
 
 def _reject_undeclared(node, path: str) -> None:

@@ -15,6 +15,9 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
+from draftheads.models.precision import auto_dtype, choose_precision
+from draftheads.models.target import Dtype
+from draftheads.training.config import MixedPrecision
 from draftheads.training.optimizer import check_optimizer
 from draftheads.training.sharding import check_engine, keep_models_whole, sharded
 
@@ -43,9 +46,9 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
                               project_config=ProjectConfiguration(project_dir=cfg.output_dir,
                                                                   logging_dir=str(Path(cfg.output_dir) / "logs")))
     if accelerator.device.type == "cpu":
-        # `accelerate launch` sets OMP_NUM_THREADS=1 unless given --cpu; share the cores between local ranks.
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+        threads, why = cpu_threads()
+        torch.set_num_threads(threads)
+        print0(accelerator, f"threads: {threads} per process ({why})")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise RuntimeError(f"{launched} processes were launched but accelerate set up {accelerator.num_processes}: "
@@ -55,6 +58,63 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
     keep_models_whole(accelerator)
     set_seed(cfg.trainer.seed)
     return accelerator
+
+
+def settle_precision(cfg: DictConfig, conf) -> str:
+    """Settle ``trainer.mixed_precision`` and ``model.dtype`` on this machine
+    (:func:`~draftheads.models.precision.choose_precision`, :func:`~draftheads.models.precision.auto_dtype`):
+    ``auto`` becomes the value chosen, in both the composed ``cfg`` (so ``config.yaml`` records what was in effect)
+    and the typed ``conf``. Returns the line saying what was chosen and why (a warning where an explicit bf16 or
+    fp16 will be emulated)."""
+    precision = choose_precision(str(conf.trainer.mixed_precision))
+    conf.trainer.mixed_precision = cfg.trainer.mixed_precision = MixedPrecision(precision.value)
+    line = precision.line
+    if conf.model.dtype == Dtype.auto:
+        dtype, why = auto_dtype()
+        conf.model.dtype = cfg.model.dtype = Dtype(str(dtype).removeprefix("torch."))
+        line += f"; target weights: {conf.model.dtype} (model.dtype=auto: {why})"
+    return line
+
+
+def cpu_threads() -> tuple[int, str]:
+    """Intra-op threads for this process, and where the number comes from. The ecosystem's knobs win:
+    ``OMP_NUM_THREADS`` as the user set it, or ``accelerate launch --num_cpu_threads_per_process N``. Only when
+    neither was given: the cores of this process's affinity shared between the ranks on this machine.
+
+    ``accelerate launch`` and ``torchrun`` always set ``OMP_NUM_THREADS`` in the processes they start (to 1 when
+    nobody asked), so under a launcher the request is read from the launcher itself: its command line and the
+    environment it was started with (``/proc/<parent>/``, Linux; elsewhere only an explicit value outside a
+    launcher counts)."""
+    asked = _threads_asked()
+    if asked is not None:
+        return asked
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // local), f"{cores} cores of this process's affinity shared by {local} local rank(s); " \
+                                   f"OMP_NUM_THREADS or --num_cpu_threads_per_process sets it"
+
+
+def _threads_asked() -> tuple[int, str] | None:
+    launched = any(k in os.environ for k in ("ACCELERATE_DYNAMO_BACKEND", "TORCHELASTIC_RUN_ID"))
+    if not launched:
+        value = os.environ.get("OMP_NUM_THREADS")
+        return (int(value), "OMP_NUM_THREADS") if value else None
+    parent = Path(f"/proc/{os.getppid()}")
+    try:
+        argv = (parent / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        env = dict(kv.split("=", 1) for kv in (parent / "environ").read_bytes().decode(errors="replace").split("\0")
+                   if "=" in kv)
+    except OSError:
+        return None
+    flag = "--num_cpu_threads_per_process"
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return int(argv[i + 1]), f"accelerate launch {flag}"
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1]), f"accelerate launch {flag}"
+    if env.get("OMP_NUM_THREADS"):
+        return int(env["OMP_NUM_THREADS"]), "OMP_NUM_THREADS"
+    return None
 
 
 def start_tracker(accelerator: Accelerator, cfg: DictConfig, run_name: str) -> None:

@@ -75,7 +75,7 @@ def test_every_registered_drafter_has_a_config_and_records_its_name():
 
 @pytest.mark.parametrize("job, override, valid", [
     ("medusa", "trainer.nonfinite=sikp", "stop, skip"),
-    ("medusa", "trainer.mixed_precision=bf32", "bf16, fp16, no"),
+    ("medusa", "trainer.mixed_precision=bf32", "auto, bf16, fp16, no"),
     ("medusa", "tracker.name=mlflow", "wandb, tensorboard, none"),
     ("medusa", "data.target_states=offline", "online, memory, disk"),
     ("medusa", "data.target_states_dtype=fp8", "float32, bfloat16, float16, float8_e4m3fn"),
@@ -84,8 +84,8 @@ def test_every_registered_drafter_has_a_config_and_records_its_name():
     ("medusa", "data.system=merge", "auto, keep, fold, drop"),
     ("medusa", "data.format=csv", "auto, messages, sharegpt, prompt, tokenized"),
     ("medusa", "data.source=s3", "chitchat, humaneval, jsonl, hub"),
-    ("medusa", "model.dtype=int8", "float32, bfloat16, float16"),
-    ("medusa", "model.dtype=float8_e4m3fn", "float32, bfloat16, float16"),  # a cache dtype, not a weights one
+    ("medusa", "model.dtype=int8", "float32, bfloat16, float16, auto"),
+    ("medusa", "model.dtype=float8_e4m3fn", "float32, bfloat16, float16, auto"),  # a cache dtype, not a weights one
     ("dflash", "dflash.attention=xformers", "auto, flex, sdpa"),
 ])
 def test_a_choice_outside_its_words_fails_when_the_config_is_composed(job, override, valid):
@@ -93,6 +93,18 @@ def test_a_choice_outside_its_words_fails_when_the_config_is_composed(job, overr
     with pytest.raises(ConfigCompositionException) as error:
         _compose(override, job=job)
     assert f"expected one of [{valid}]" in str(error.value.__cause__ or error.value)
+
+
+@pytest.mark.parametrize("job, override", [("medusa", "stage1.epochs=0"), ("medusa", "stage2.epochs=-1"),
+                                           ("dflash", "train.max_steps=0")])
+def test_a_stage_that_would_train_nothing_is_refused_naming_the_key(job, override):
+    """Issue 52 row 6: epochs 0 or -1 trained one step and called the run finished."""
+    with pytest.raises(ValueError, match=re.escape(override)):
+        to_schema(_compose(override, job=job))
+
+
+def test_a_disabled_stage_may_say_zero_epochs():
+    assert not to_schema(_compose("stage2.epochs=0", "stage2.enabled=false")).stage2.enabled
 
 
 def test_unknown_key_is_an_error():

@@ -1,0 +1,36 @@
+"""Threads as the user sets them (issue 56): ``accelerate launch --num_cpu_threads_per_process N`` and
+``OMP_NUM_THREADS`` are kept; only when neither is given are the cores shared between the local ranks. Launched
+for real: the launcher sets ``OMP_NUM_THREADS`` in every process it starts, asked or not."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+PROBE = "from draftheads.training.runtime import cpu_threads; print('THREADS', *cpu_threads())"
+
+
+def threads(tmp_path, launch_args: list[str], env: dict) -> tuple[int, str]:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "no", "--dynamo_backend", "no", *launch_args, str(script)]
+    env = {k: v for k, v in {**os.environ, **env}.items() if v is not None}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(li for li in proc.stdout.splitlines() if li.startswith("THREADS"))
+    _, n, why = line.split(" ", 2)
+    return int(n), why
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the launcher from /proc")
+def test_threads_asked_for_are_kept_and_otherwise_the_cores(tmp_path):
+    cores = len(os.sched_getaffinity(0))
+    assert threads(tmp_path, ["--num_cpu_threads_per_process", str(cores + 3)], {"OMP_NUM_THREADS": None}) == (
+        cores + 3, "accelerate launch --num_cpu_threads_per_process")
+    assert threads(tmp_path, [], {"OMP_NUM_THREADS": str(cores + 5)}) == (cores + 5, "OMP_NUM_THREADS")
+    n, why = threads(tmp_path, [], {"OMP_NUM_THREADS": None})  # the launcher sets 1 in the process: not asked
+    assert n == cores and "shared by 1 local rank" in why
