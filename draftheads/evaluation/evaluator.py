@@ -35,6 +35,7 @@ from draftheads.data.regenerate import prompt_ids, target_prompt_ids
 from draftheads.data.templates import THINKING_LABELS, check_thinking_switch, stop_token_ids
 from draftheads.evaluation.context import (CONTEXT_BUCKETS, acceptance_rates, bucket_label, by_context_length,
                                            format_context_table, plot_by_context)
+from draftheads.evaluation.intervals import intervals, paired, prompt_counts, resample_weights, statistics
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
 
@@ -118,6 +119,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     if not sampling.greedy:  # two samples need not coincide: no match to claim
         for m in [metrics, *metrics.get("peers", {}).values()]:
             m["greedy_match"] = None
+    with_intervals(metrics, plain, {drafter.name: spec, **others}, seed)
     metrics["method"] = drafter.name
     modes = {p.thinking for p in prompts}
     metrics["thinking"] = modes.pop() if len(modes) == 1 else None  # the rendering measured (None: the default)
@@ -126,6 +128,31 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
     metrics["decoding"] = {"stop_token_ids": sorted(stop), "generation_defaults": str(defaults),
                            "target_generation_defaults": generation_defaults(target.generation_config)}
     return metrics
+
+
+def with_intervals(metrics: dict, plain: list[DecodeResult], methods: dict[str, list[DecodeResult]],
+                   seed: int) -> None:
+    """Add 95% intervals over prompts (:mod:`draftheads.evaluation.intervals`) to a set's entry, in place: each
+    method's ``intervals`` (tau, tokens per step, alpha and cumulative acceptance per position, speedup over the
+    plain decoding, greedy_match where compared), an ``interval`` on each ``by_context_length`` bucket's tau, and
+    the set's ``paired`` tau differences, every method against every other (``"a - b"``), on the same draws.
+    ``methods``: the drafter's results first, then each peer's (their entries in ``metrics["peers"]``), one per
+    prompt in the order of ``plain``."""
+    weights = resample_weights(len(plain), seed)
+    baseline = prompt_counts(plain, 0)
+    draws = {}
+    for i, (name, results) in enumerate(methods.items()):
+        entry = metrics if i == 0 else metrics["peers"][name]
+        gamma = max([r.gamma for r in results] + [len(entry.get("acceptance_rate_per_position", []))])
+        own = [p.tokens if r.reference is None else r.reference for p, r in zip(plain, results)]
+        matches = None if entry["greedy_match"] is None else [a == r.tokens for a, r in zip(own, results)]
+        draws[name] = statistics(prompt_counts(results, gamma, matches), weights, baseline)
+        entry["intervals"] = intervals(draws[name])
+        for bucket in entry.get("by_context_length") or []:
+            counts = prompt_counts(results, gamma, context=tuple(bucket["context_tokens"]))
+            bucket["interval"] = intervals(statistics(counts, weights))["acceptance_length"]
+    names = list(draws)
+    metrics["paired"] = {f"{a} - {b}": paired(draws[a], draws[b]) for i, a in enumerate(names) for b in names[i + 1:]}
 
 
 def acceptance(results: list[DecodeResult], gamma: int, context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
@@ -239,8 +266,8 @@ def hardware() -> dict:
 def format_table(sets: dict) -> str:
     """A terminal table: per eval set, the drafter under test and any peer measured beside it."""
     w = max([16, *(len(name) + 2 for name in sets)])  # per-mode sets are long: chitchat[no_thinking]
-    head = (f"{'set':<{w}}{'method':<21}{'tau':>6}{'alpha per position':>30}{'tok/s':>8}{'AR tok/s':>10}"
-            f"{'speedup':>9}{'greedy_match':>14}")
+    head = (f"{'set':<{w}}{'method':<21}{'tau [95% interval]':>20}{'alpha per position':>30}{'tok/s':>8}"
+            f"{'AR tok/s':>10}{'speedup':>9}{'greedy_match':>14}")
     lines = [head, "-" * len(head)]
     for name, m in sets.items():
         rows = [(_method(m), m, _alphas(m["acceptance_rate_per_position"]), m["tokens_per_second"]["speculative"])]
@@ -248,10 +275,21 @@ def format_table(sets: dict) -> str:
                  for peer, p in m.get("peers", {}).items()]
         for method, r, alphas, tps in rows:
             match = "n/a (T>0)" if r["greedy_match"] is None else f"{r['greedy_match']:.2f}"
-            lines.append(f"{name:<{w}}{method:<21}{r['acceptance_length']:>6.2f}{alphas:>30}{tps:>8.1f}"
+            tau = with_interval(r["acceptance_length"], r.get("intervals", {}).get("acceptance_length"))
+            lines.append(f"{name:<{w}}{method:<21}{tau:>20}{alphas:>30}{tps:>8.1f}"
                          f"{m['tokens_per_second']['baseline']:>10.1f}{r['speedup']:>9.2f}{match:>14}")
+    pairs = [(name, pair, d) for name, m in sets.items() for pair, d in (m.get("paired") or {}).items() if d]
+    if pairs:
+        lines += ["", f"{'paired tau difference':<{w + 42}}{'a - b [95% interval]':>22}", "-" * (w + 64)]
+        lines += [f"{name:<{w}}{pair:<42}{with_interval(d['difference'], d['interval'], '+.2f'):>22}"
+                  for name, pair, d in pairs]
     by_context = format_context_table(_context_rows(sets))
     return "\n".join(lines) + (f"\n\n{by_context}" if by_context else "")
+
+
+def with_interval(value: float, interval: list | None, spec: str = ".2f") -> str:
+    """``1.53 [1.41,1.66]``: a number and its interval (the number alone where it has none: an older report)."""
+    return f"{value:{spec}}" if not interval else f"{value:{spec}} [{interval[0]:.2f},{interval[1]:.2f}]"
 
 
 def _context_rows(sets: dict) -> list[tuple[str, str, list[dict]]]:
@@ -277,8 +315,9 @@ def _method(m: dict) -> str:
 
 
 def plot_acceptance(sets: dict, path: str | Path) -> None:
-    """PNG with three panels: conditional acceptance per draft position (chain and tree, per set),
-    histogram of accepted drafts per verification step (chain), and tau per set and method; and a fourth, tau
+    """PNG with three panels: conditional acceptance per draft position (chain and tree, per set; shaded: the 95%
+    interval over prompts), histogram of accepted drafts per verification step (chain), and tau per set and method
+    (error bars: the 95% interval); and a fourth, tau
     per context-length bucket per set and method, when the report has ``by_context_length``."""
     import matplotlib
     matplotlib.use("Agg")
@@ -293,7 +332,11 @@ def plot_acceptance(sets: dict, path: str | Path) -> None:
         for method, r in _methods(m).items():
             rates = r.get("acceptance_rate_per_position")
             if rates:
-                pos.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} {method}")
+                line, = pos.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{name} {method}")
+                bands = r.get("intervals", {}).get("acceptance_rate_per_position")
+                if bands and all(bands):  # the 95% interval over prompts, shaded
+                    pos.fill_between(range(1, len(rates) + 1), [b[0] for b in bands], [b[1] for b in bands],
+                                     color=line.get_color(), alpha=0.15)
         counts = m["accepted_histogram"]
         hist.bar([i + 0.8 * list(sets).index(name) / len(sets) for i in range(len(counts))],
                  [c / max(sum(counts), 1) for c in counts], width=0.8 / len(sets), label=name)
@@ -305,10 +348,14 @@ def plot_acceptance(sets: dict, path: str | Path) -> None:
              xticks=[i + centre for i in range(gamma + 1)], xticklabels=range(gamma + 1))
     methods = sorted({method for m in sets.values() for method in _methods(m)})
     for j, method in enumerate(methods):
-        taus = [_methods(m).get(method, {}).get("acceptance_length", 0.0) for m in sets.values()]
-        bars.bar([i + 0.8 * j / len(methods) for i in range(len(sets))], taus, width=0.8 / len(methods), label=method)
+        entries = [_methods(m).get(method, {}) for m in sets.values()]
+        taus = [e.get("acceptance_length", 0.0) for e in entries]
+        spans = [e.get("intervals", {}).get("acceptance_length") or [t, t] for e, t in zip(entries, taus)]
+        bars.bar([i + 0.8 * j / len(methods) for i in range(len(sets))], taus, width=0.8 / len(methods), label=method,
+                 yerr=[[t - lo for t, (lo, _) in zip(taus, spans)], [hi - t for t, (_, hi) in zip(taus, spans)]],
+                 capsize=2)
     bars.set(xticks=[i + 0.4 * (len(methods) - 1) / len(methods) for i in range(len(sets))], xticklabels=list(sets),
-             ylabel="tau (tokens per target forward)")
+             ylabel="tau (tokens per target forward), 95% interval")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
@@ -354,6 +401,9 @@ def flat_metrics(sets: dict) -> dict[str, float]:
         for method, r in _methods(m).items():
             key = f"eval/{name}/{method}"
             out[f"{key}/acceptance_length"] = r["acceptance_length"]
+            span = r.get("intervals", {}).get("acceptance_length")
+            if span:
+                out[f"{key}/acceptance_length_lo"], out[f"{key}/acceptance_length_hi"] = span
             out[f"{key}/speedup"] = r["speedup"]
             tps = r["tokens_per_second"]
             out[f"{key}/tokens_per_s"] = tps["speculative"] if isinstance(tps, dict) else tps
