@@ -44,14 +44,20 @@ def record_finished(out: Path, drafter: str, finished: list[str]) -> Path:
 
 
 def read_ledger(out: Path) -> dict | None:
-    """``out``'s ledger, None without one. Raises ``ValueError`` for one that is not a JSON object with a
-    ``finished`` list."""
+    """``out``'s ledger, None without one. Raises ``ValueError`` naming the file and what to do for one that is
+    not JSON (damaged) or not a JSON object with a ``finished`` list."""
     path = Path(out) / LEDGER
     if not path.exists():
         return None
-    ledger = json.loads(path.read_text())
+    try:
+        ledger = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        ledger = e
     if not isinstance(ledger, dict) or not isinstance(ledger.get("finished"), list):
-        raise ValueError(f"{path}: not a run's ledger (a JSON object with a 'finished' list)")
+        why = f"unreadable ({ledger})" if isinstance(ledger, Exception) else "not a JSON object with a 'finished' list"
+        raise ValueError(f"{path}: the run's ledger is {why}. It is written atomically, so something else changed it: "
+                         f"restore it (e.g. {{\"drafter\": ..., \"finished\": [\"training\", \"validation\", "
+                         f"\"save\"]}} lists the steps done), or start afresh with overwrite=true")
     return ledger
 
 

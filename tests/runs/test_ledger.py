@@ -93,3 +93,15 @@ def test_resume_decides_by_the_ledger_not_the_report(ledger, report, resumes, tm
         assert life.train("medusa", cfg) == (report or {})
         assert "nothing to resume" in capsys.readouterr().out
     assert read_ledger(out)["finished"] == ledger
+
+
+@pytest.mark.parametrize("damage", [b'{"drafter": "medusa", "finished": ["trai', b"\xff\xfe\x00", b"[1, 2]"])
+def test_a_damaged_ledger_is_named_with_what_to_do_not_a_raw_json_error(tmp_path, damage):
+    """Issue 52 row 8: a damaged progress.json gave a raw JSONDecodeError naming no file (resume reads it through
+    finished_steps; export, evaluation and peer runs through check_saved)."""
+    out = folder(tmp_path, ALL, None)
+    (out / LEDGER).write_bytes(damage)
+    for read in (finished_steps, lambda o: check_saved(o, "the run", "resume")):
+        with pytest.raises(ValueError, match=rf"{out / LEDGER}: the run's ledger is .* overwrite=true") as error:
+            read(out)
+        assert not isinstance(error.value, json.JSONDecodeError)
