@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from draftheads.data.sources import row_location
 from draftheads.data.templates import THINKING_LABELS, TemplateRejected, chat_tokens
 
 
@@ -91,7 +92,7 @@ def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport,
         raise ValueError(f"data.overlong={overlong!r} must be truncate or drop")
     rows, lengths = [], []
     for c in chats:
-        where = f"{c.source} row {c.row}"
+        where = row_location(c.source, c.row)
         if getattr(c, "tokens", None) is not None:
             ids, mask = list(c.tokens[0]), list(c.tokens[1])
             if max(ids) >= len(tokenizer):

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from draftheads.data.batching import DataReport
-from draftheads.data.sources import SOURCES, Prompt, PromptSource, builtin_prompts, chitchat_messages, hub_rows
+from draftheads.data.sources import (SOURCES, Prompt, PromptSource, builtin_prompts, chitchat_messages, hub_rows,
+                                     row_location)
 
 ROLES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant",
          "model": "assistant", "bot": "assistant", "chatgpt": "assistant", "bard": "assistant",
@@ -57,7 +58,8 @@ class Chat:
 
     @property
     def where(self) -> str:
-        return f"{self.source} row {self.row}"
+        return row_location(self.source, self.row)
+
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[str, int, object]]:
@@ -66,7 +68,7 @@ def read_jsonl(path: str | Path) -> Iterator[tuple[str, int, object]]:
     Invalid UTF-8 and invalid JSON come back as BadRow, so one bad line loses nothing else."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
-            where = f"{path} row {line_no - 1} (line {line_no})"
+            where = row_location(str(path), line_no - 1)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -94,9 +96,9 @@ def detect_format(row: dict) -> str:
 
 def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto", field: str | None = None) -> Chat:
     """Normalise one raw row; ``field`` names the column holding the prompt or the turns (default: by format).
-    Raises :class:`BadRow` (reasons: not_an_object, missing_field, missing_role, unknown_role,
-    non_string_content, empty_conversation, system_not_first, no_user_turn, bad_tokens, bad_unfinished,
-    failed_regeneration)."""
+    A row-level system prompt (:data:`SYSTEM_FIELDS`) leads the turns of any format. Raises :class:`BadRow`
+    (reasons: not_an_object, missing_field, missing_role, unknown_role, non_string_content, empty_conversation,
+    system_not_first, system_twice, no_user_turn, bad_tokens, bad_unfinished, failed_regeneration)."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
@@ -117,10 +119,28 @@ def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto",
             key, role_key, content_key = ("messages", "role", "content") if fmt == "messages" else \
                 ("conversations", "from", "value")
             turns = _turns(row, where, key, role_key, content_key)
+    turns = _with_system_field(row, turns, where)
     messages = normalise(_mark_unfinished(row, turns, where), where)
     unfinished = tuple(i for i, m in enumerate(messages) if m.pop("unfinished", False))
     thinking = row.get("thinking") if isinstance(row.get("thinking"), bool) else None  # a regeneration file's mode
     return Chat(source, index, messages=tuple(messages), unfinished=unfinished, thinking=thinking)
+
+
+SYSTEM_FIELDS = ("system", "system_prompt")
+"""Row-level fields that hold a conversation's system prompt beside its turns or prompt (LLaMA-Factory's ShareGPT
+and Alpaca rows, OpenOrca's ``system_prompt``)."""
+
+
+def _with_system_field(row: dict, turns: list[dict], where: str) -> list[dict]:
+    """``turns`` led by the row's system prompt when a :data:`SYSTEM_FIELDS` field holds a non-empty string and
+    the turns have no system turn of their own (one in both is a :class:`BadRow`, ``system_twice``: which one
+    the row means is not said)."""
+    name = next((f for f in SYSTEM_FIELDS if isinstance(row.get(f), str) and row[f].strip()), None)
+    if name is None:
+        return turns
+    if turns and turns[0]["role"] == "system":
+        raise BadRow(where, name, "system_twice", "a system prompt both in this field and as the first turn")
+    return [{"role": "system", "content": _utf8(row[name], where, name)}, *turns]
 
 
 def _mark_unfinished(row: dict, turns: list[dict], where: str) -> list[dict]:

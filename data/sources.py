@@ -30,6 +30,13 @@ class Prompt:
     thinking: bool | None = None
 
 
+def row_location(source: str, row: int) -> str:
+    """Where a row is, said one way in every message: ``f.jsonl row 4 (line 5)`` for a JSONL file (its 0-based row
+    and the 1-based line an editor shows; :func:`~draftheads.data.conversations.read_jsonl` reads one row per line), ``<dataset> row 4`` for a
+    dataset or a builtin source (0-based, as ``datasets`` indexes rows)."""
+    return f"{source} row {row}" + (f" (line {row + 1})" if str(source).endswith(".jsonl") else "")
+
+
 SPLITS = {"train": (0, 90), "val": (90, 95), "eval": (95, 100)}
 """Split of chitchat conversations by a hash of their id (percent ranges): stable across machines."""
 

@@ -74,6 +74,22 @@ def test_stop_set_holds_eos_every_generation_config_eos_and_the_turn_end(family)
     assert stop == listed | {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids(TURN_END[name])}
 
 
+def test_an_eval_rows_system_prompt_reaches_the_target_in_every_family(family, tmp_path):
+    """Issue 52 row 16: the evaluator renders an eval row's system prompt (a row-level field or a first turn) as
+    the chat template does: kept where the family takes system turns, folded into the user turn where it does not."""
+    import json
+
+    from draftheads.data.conversations import first_user_prompts
+    from draftheads.data.regenerate import target_prompt_ids
+    from draftheads.data.sources import PromptSource
+    name, _, tokenizer = family
+    path = tmp_path / "eval.jsonl"
+    path.write_text(json.dumps({"system": "Answer in French please.", "prompt": "Hello there"}) + "\n")
+    (prompt,) = first_user_prompts(PromptSource("jsonl", str(path)), "eval", 1)
+    text = tokenizer.decode(target_prompt_ids(tokenizer, prompt))
+    assert "Answer in French please." in text and "Hello there" in text, (name, text)
+
+
 def test_trained_span_is_each_answer_plus_exactly_one_turn_end(family):
     name, _, tokenizer = family
     chat = [{"role": "user", "content": "Hi there, how are you?"}, {"role": "assistant", "content": "Fine thanks."},

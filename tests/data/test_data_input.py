@@ -334,3 +334,49 @@ def test_a_regenerated_file_trains_exactly_what_the_regenerating_job_trains(tiny
     assert report.unfinished_answers == sum(len(r.unfinished) for r in answered) > 0
     for key in ("input_ids", "loss_mask"):
         assert [r[key].tolist() for r in train + val] == [r[key].tolist() for r in in_job]
+
+
+def test_too_long_and_no_assistant_turn_name_the_row_as_every_other_reason_does(tiny, tmp_path):
+    """Issue 52 row 16: these two gave a 0-based row and no line, unlike the rows read_jsonl names."""
+    model, tokenizer = tiny
+    long_answer = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok " * 300}]}
+    path = write_jsonl(tmp_path / "rows.jsonl", [json.dumps(GOOD[0]).encode(), json.dumps(long_answer).encode(),
+                                                 BAD["no_assistant_turn"], json.dumps(GOOD[0]).encode(),
+                                                 json.dumps(GOOD[0]).encode()])
+    _, _, report = self_distilled_rows(data_cfg(path), model, tokenizer, {}, "/unused", False)
+    assert report.examples["too_long"].startswith(f"{path} row 1 (line 2): ")
+    assert report.examples["no_assistant_turn"].startswith(f"{path} row 2 (line 3): ")
+
+
+@pytest.mark.parametrize("row", [{"system": "Answer in French.", "prompt": "Hello there"},
+                                 {"system_prompt": "Answer in French.", "instruction": "Hello there"},
+                                 {"system": "Answer in French.",
+                                  "conversations": [{"from": "human", "value": "Hello there"},
+                                                    {"from": "gpt", "value": "Bonjour"}]}])
+def test_a_row_level_system_prompt_leads_the_conversation_in_every_format(tmp_path, row):
+    """Issue 52 row 16: a row's system prompt held beside its prompt or turns was dropped (the evaluator then
+    measured the prompt without it)."""
+    path = write_jsonl(tmp_path / "eval.jsonl", [json.dumps(row).encode()])
+    (chat,) = load_chats(PromptSource("jsonl", str(path)), "eval", 1, strict=True)
+    assert chat.messages[0] == {"role": "system", "content": "Answer in French."}
+    assert chat.messages[1] == {"role": "user", "content": "Hello there"}
+    both = {**row, "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    with pytest.raises(BadRow, match="system_prompt|system"):
+        load_chats(PromptSource("jsonl", str(write_jsonl(tmp_path / "both.jsonl", [json.dumps(both).encode()]))),
+                   "eval", 1, strict=True)
+
+
+@pytest.mark.parametrize("output", ["/dev/full", "folder"])
+def test_regenerating_into_something_that_is_no_file_is_refused_before_the_target_loads(tmp_path, cache_dir,
+                                                                                       monkeypatch, output):
+    """Issue 52 row 10: output=/dev/full blamed "other data" and advised deleting /dev/full."""
+    from draftheads.jobs import regenerate
+    if output == "/dev/full" and not Path(output).exists():
+        pytest.skip("no /dev/full here")
+    out = Path(output) if output.startswith("/") else tmp_path / output
+    out.mkdir(exist_ok=True) if output == "folder" else None
+    monkeypatch.setattr(regenerate, "load_target", lambda *a, **k: pytest.fail("the target loaded first"))
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose("regenerate", overrides=["model=tiny", f"cache_dir={cache_dir}", f"output={out}"])
+    with pytest.raises(ValueError, match=rf"output={out} is not a regular file .* name the .jsonl file"):
+        regenerate.regenerate_data(cfg)
