@@ -3,6 +3,7 @@ every input row accounted for, resumable, and tied to its inputs."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -17,6 +18,7 @@ from draftheads.training.config import RegenerateConfig, apply_generation_defaul
 def regenerate_data(cfg: DictConfig) -> dict[str, int]:
     """Regenerate ``cfg.data`` into ``cfg.output``; returns the accounting (read, written, failed, skipped)."""
     conf: RegenerateConfig = to_schema(cfg)
+    check_output(Path(conf.output))  # before the target loads
     if conf.data.server.base_url:  # the server answers: only the tokenizer (chat template) is needed here
         target, (tokenizer, path) = None, load_tokenizer(conf.model, conf.cache_dir)
     else:
@@ -51,6 +53,23 @@ def regenerate_data(cfg: DictConfig) -> dict[str, int]:
         print(f"  {conf.output} is written once every row succeeds: run again to retry the {len(failed)} failed "
               f"(the {counts['written']} answered are kept in {conf.output}.partial)")
     return counts
+
+
+def check_output(out: Path) -> None:
+    """``ValueError`` for an ``output`` that is there but not a regular file (a folder, ``/dev/full``, a socket),
+    ``OSError`` naming it for a folder this job cannot write its answers, ``.partial`` and ``.key`` into: before
+    the target loads or any answer is generated."""
+    if out.exists() and not out.is_file():
+        raise ValueError(f"output={out} is not a regular file (a folder or a device): name the .jsonl file to write, "
+                         f"e.g. output=answers.jsonl")
+    probe = out.with_name(f".write-probe-{os.getpid()}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(e.errno, f"output={out}: cannot write beside it in {out.parent} ({e.strerror}): choose a "
+                               f"writable folder") from e
 
 
 def claim_output(conf: RegenerateConfig, chats: list, backend: str, chat_template: str | None) -> bool:
