@@ -206,6 +206,12 @@ def load_target(spec: TargetSpec, cache_dir: str | Path) -> tuple[PreTrainedMode
     return model, tokenizer, path
 
 
+def context_window(model) -> int | None:
+    """The target's context window in tokens (``config.max_position_embeddings``; None where its config has none)."""
+    config = getattr(model.config, "text_config", None) or model.config
+    return getattr(config, "max_position_embeddings", None)
+
+
 def _checkpoint_folder(path: str, revision: str | None) -> Path:
     """A local folder holding the target's config and safetensors: ``path`` itself, or a hub id's snapshot
     (the files only: nothing is loaded)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from draftheads.data.regenerate import target_prompt_ids
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import eval_modes, eval_prompts, evaluate_set
 from draftheads.models.decoding import GenerationDefaults
@@ -14,13 +15,14 @@ PROMPT_LOOKUP = "prompt_lookup"
 """The model-free peer's report name (:func:`prompt_lookup_peer`)."""
 
 
-def load_eval_sets(eval_cfg, tokenizer=None) -> dict[str, list]:
+def load_eval_sets(eval_cfg, tokenizer=None, context_window: int | None = None) -> dict[str, list]:
     """Each eval set's held-out prompts by report name; a set with ``min_prompt_tokens`` counts them with the
     target's ``tokenizer`` (:func:`~draftheads.evaluation.evaluator.eval_prompts`). A set with ``thinking:
     both`` gives two entries, ``<name>[thinking]`` and ``<name>[no_thinking]``, the same prompts read in each
     mode (:func:`~draftheads.evaluation.evaluator.eval_modes`). Raises ``ValueError`` for no set (evaluation
     enabled), an empty set, two sets of one name, ``max_new_tokens`` < 1, a long set or a thinking mode without
-    a tokenizer, a thinking mode for a template with no thinking switch, and the source's own error (file, line,
+    a tokenizer, a thinking mode for a template with no thinking switch, a prompt that with ``max_new_tokens`` does
+    not fit the target's ``context_window`` (tokens; None: not checked), and the source's own error (file, line,
     field) for a malformed file."""
     if eval_cfg.max_new_tokens < 1:
         raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
@@ -37,7 +39,23 @@ def load_eval_sets(eval_cfg, tokenizer=None) -> dict[str, list]:
     for name, prompts in sets.items():
         if not prompts:
             raise ValueError(f"eval set {name!r} has no prompts (num_prompts >= 1 and a non-empty source needed)")
+        if context_window is not None and tokenizer is not None:
+            check_context(name, prompts, tokenizer, eval_cfg.max_new_tokens, context_window)
     return sets
+
+
+def check_context(name: str, prompts: list, tokenizer, max_new_tokens: int, window: int) -> None:
+    """``ValueError`` naming the set, its longest prompt and the target's context ``window`` when a prompt and
+    ``max_new_tokens`` do not fit it: past its window a target's positions are ones it never trained on, and its
+    acceptance there measures nothing a server would serve."""
+    lengths = [(len(target_prompt_ids(tokenizer, p)), p) for p in prompts]
+    longest, prompt = max(lengths, key=lambda x: x[0])
+    if longest + max_new_tokens > window:
+        over = sum(n + max_new_tokens > window for n, _ in lengths)
+        raise ValueError(f"eval set {name!r}: {over} of {len(prompts)} prompts do not fit the target's context window "
+                         f"of {window} tokens with eval.max_new_tokens={max_new_tokens} (the longest, {prompt.source} "
+                         f"row {prompt.row}, has {longest} tokens): lower the set's min_prompt_tokens or "
+                         f"eval.max_new_tokens, or drop the set")
 
 
 def evaluate_methods(eval_cfg, eval_sets: dict[str, list], target, tokenizer, drafter,

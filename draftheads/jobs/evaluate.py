@@ -14,6 +14,7 @@ from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write
 from draftheads.evaluation.methods import load_eval_sets, unmeasured_peers
 from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
+from draftheads.models.target import context_window
 from draftheads.runs.life import evaluate_drafter
 from draftheads.runs.output_dir import TARGET_FILE
 from draftheads.runs.preflight import vllm_serving
@@ -37,6 +38,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     for overrides choosing another target than the one its drafter was trained with."""
     if backend not in ("transformers", "vllm"):
         raise ValueError(f"backend={backend!r}: transformers (the target in process) or vllm")
+    check_writable_report(Path(run_dir))  # the report is written after the evaluation: refused before it
     in_vllm = backend == "vllm"
     run = open_run(run_dir, overrides, weights or (drafters.of_run(run_dir).vllm_weights if in_vllm else None),
                    partial=in_vllm)
@@ -49,7 +51,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
         record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
         peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
         sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
-                                load_eval_sets(conf.eval, run.tokenizer), peers)
+                                load_eval_sets(conf.eval, run.tokenizer, context_window(run.target)), peers)
         notes += unmeasured_peers(conf.eval, sets)
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():
@@ -66,6 +68,21 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     print(format_table(sets))
     print(f"report: {write_report(report, run_dir)}")
     return report
+
+
+def check_writable_report(run_dir: Path) -> None:
+    """``PermissionError`` naming the file, before any work, when ``run_dir`` cannot take the report this
+    evaluation writes (a read-only run: copy it first)."""
+    probe = run_dir / "report.json.tmp"
+    if not run_dir.is_dir():
+        return  # open_run names what is missing
+    try:
+        with open(probe, "a"):
+            pass
+        probe.unlink()
+    except OSError as e:
+        raise PermissionError(e.errno, f"{run_dir} cannot take this evaluation's report ({probe}: {e.strerror}): copy the "
+                                       f"run somewhere writable and evaluate the copy") from e
 
 
 def vllm_sets(run, conf, vllm_venv: str | None) -> dict:

@@ -15,7 +15,7 @@ preflight (:mod:`~draftheads.runs.preflight`), finished and peer runs read back 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -30,9 +30,11 @@ from draftheads.evaluation.methods import evaluate_methods, load_eval_sets, prom
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.partial import place
 from draftheads.models.speculative import Sampling
-from draftheads.models.target import load_target, model_identity, resolve_target_path
-from draftheads.runs.output_dir import TARGET_FILE, check_writable, claim_job_dir, target_record
+from draftheads.models.target import context_window, load_target, model_identity, resolve_target_path
+from draftheads.runs.output_dir import (TARGET_FILE, check_writable, claim_job_dir, lock_output_dir, release,
+                                        target_record)
 from draftheads.runs.preflight import serving_preflight
+from draftheads.runs.resume import check_resume
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import PeerRun, load_peer_runs, peer_methods
 from draftheads.training.checkpoint import latest_checkpoint
@@ -40,6 +42,7 @@ from draftheads.training.config import RunConfig, TargetStates, apply_generation
 from draftheads.training.ledger import finished_steps, record_finished, start_ledger
 from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.runtime import distributed, make_accelerator, print0, settle_precision, start_tracker
+from draftheads.training.warm_start import check_init_path
 
 
 @dataclass
@@ -57,49 +60,64 @@ class Job:
     """The checkpoint to continue from (``resume=true``) and its meta."""
     precision: str
     """What ``trainer.mixed_precision`` and ``model.dtype`` were settled to on this machine, and why."""
+    lock: object | None
+    """The main process's hold on the output_dir (:func:`~draftheads.runs.output_dir.lock_output_dir`)."""
+    finished: list[str]
+    """The steps the run's ledger listed as finished when it opened (a resume; empty otherwise)."""
+    done: bool
+    """A resume with nothing left to do: every step its config asks for is finished."""
 
 
 def train(name: str, cfg: DictConfig) -> dict:
     """The whole job of drafter ``name`` for a composed config; returns the report (main process) or {}.
     With ``resume=true``, a run whose ledger lists every step its config asks for does nothing (the report it
-    returns is read only to return it)."""
+    returns is read only to return it, and its ``config.yaml`` is left as it is)."""
     recipe = drafters.get(name)
     job = open_job(cfg, recipe)
-    finished = finished_steps(job.out) or []
-    if job.conf.resume and set(_steps(job.conf)) <= set(finished):
-        print(f"{job.out} finished already ({', '.join(finished)}): nothing to resume", flush=True)
-        return close_job(job, _report(job.out) if job.accelerator.is_main_process else {})
-    # an old ledger or report must not look like this run's; this ledger, nothing finished, lets a rerun claim the
-    # folder until a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no
-    # corrected rerun
-    if job.accelerator.is_main_process and not job.conf.resume:
-        start_ledger(job.out, recipe.name)
-        write_report({"drafter": recipe.name, "finished": [],
-                      "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
-    preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
-    job.accelerator.wait_for_everyone()
-    train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
-                                                 attach=job.conf.data.target_states != TargetStates.online,
-                                                 unusable=recipe.unusable)
-    trained = recipe.train(job, train_rows)
-    report = {}
-    if job.accelerator.is_main_process:
-        report = finish_run(job, recipe, trained, val_rows, {"preflight": preflight, "data": data_report.as_dict(),
-                                                             "train_curves": trained.curves})
-    return close_job(job, report)
+    try:
+        if job.done:
+            print(f"{job.out} finished already ({', '.join(job.finished)}): nothing to resume (to measure it with "
+                  f"other eval settings: python train/evaluate.py {job.out} eval....)", flush=True)
+            return close_job(job, _report(job.out) if job.accelerator.is_main_process else {})
+        # an old ledger or report must not look like this run's; this ledger, nothing finished, lets a rerun claim
+        # the folder until a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no
+        # corrected rerun
+        if job.accelerator.is_main_process and job.resume is None and not job.finished:
+            start_ledger(job.out, recipe.name)
+            write_report({"drafter": recipe.name, "finished": [],
+                          "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
+        preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
+        job.accelerator.wait_for_everyone()
+        train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
+                                                     attach=job.conf.data.target_states != TargetStates.online,
+                                                     unusable=recipe.unusable)
+        trained = recipe.train(job, train_rows)
+        report = {}
+        if job.accelerator.is_main_process:
+            report = finish_run(job, recipe, trained, val_rows, {"preflight": preflight,
+                                                                 "data": data_report.as_dict(),
+                                                                 "train_curves": trained.curves})
+        return close_job(job, report)
+    finally:
+        release(job.lock)
 
 
 def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
-    """Typed config, accelerator and tracker, the target on this process's device, eval sets (read with its
-    tokenizer, which long sets count with: a bad file fails now, not after training), ``recipe.check`` (settings
-    that would fail later), the resume point, and ``config.yaml`` and ``target.json`` in the run directory.
-    ``recipe`` None opens a job that trains nothing (a state cache build).
+    """Typed config, precision, accelerator, the output_dir's lock, the target on this process's device, eval sets
+    (read with its tokenizer, which long sets count with: a bad file fails now, not after training),
+    ``recipe.check`` (settings that would fail later), the resume point, then the output_dir claimed (an overwritten
+    run deleted only now, every check above passed), the tracker, and ``config.yaml`` and ``target.json`` in the
+    run directory (left as they are by a resume with nothing left to do). ``recipe`` None opens a job that trains
+    nothing (a state cache build). The caller releases ``job.lock`` (:func:`~draftheads.runs.output_dir.release`).
 
     Raises ``ValueError`` for an undeclared config key, a config of another drafter than ``recipe``, a name in
-    ``eval.peers`` that is no method's (:func:`~draftheads.drafters.check_method_names`), what
-    ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint of another target or of a stage not
-    in ``recipe.stages``; ``FileExistsError`` for an output_dir holding a training run
-    (:func:`~draftheads.runs.output_dir.claim_output_dir`) — before any work.
+    ``eval.peers`` that is no method's (:func:`~draftheads.drafters.check_method_names`), ``resume=true`` with
+    ``overwrite=true``, a resume with settings other than the run's (:func:`~draftheads.runs.resume.check_resume`),
+    an ``init_from`` inside output_dir, what ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint
+    of another target or of a stage not in ``recipe.stages``; ``FileNotFoundError`` for an ``init_from`` that is not
+    there; ``FileExistsError`` for an output_dir holding a training run or files no run writes
+    (:func:`~draftheads.runs.output_dir.claim_output_dir`); ``RuntimeError`` for an output_dir another job holds —
+    all before anything in output_dir is deleted or rewritten.
     """
     conf = to_schema(cfg)
     if recipe is not None and conf.drafter != recipe.name:
@@ -107,33 +125,51 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     drafters.check_method_names(conf.eval.peers or ())
     if conf.model.partial and recipe is not None:
         check_partial(conf)
+    if conf.resume and conf.overwrite:
+        raise ValueError("resume=true continues the run in output_dir and overwrite=true deletes it: set one of them")
     out = Path(conf.output_dir)
-    claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
     precision = settle_precision(cfg, conf)  # auto: bf16 where this machine has it natively, else float32
+    if recipe is not None:
+        check_init_path(recipe, conf)
+        if conf.resume:
+            check_resume(out, cfg)
+    claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
     accelerator = make_accelerator(cfg)
     print0(accelerator, precision)
+    lock = None
     if accelerator.is_main_process:
         check_writable(out)
-        claim_job_dir(conf, recipe, delete=True)
-    accelerator.wait_for_everyone()
-    start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's tracker files are gone
-    with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
-        target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
-    eval_sets = load_eval_sets(conf.eval, tokenizer)  # long sets count the target's tokens
-    place(target, accelerator.device)
-    set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
-    identity = model_identity(target, conf.model)
-    print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
-                        f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
-    apply_generation_defaults(conf, target.generation_config)
-    print0(accelerator, decoding_line(conf, target, tokenizer))
-    if recipe is not None:
-        recipe.check(conf, target)
-    resume = latest_checkpoint(out, identity, recipe.stages) if recipe is not None and conf.resume else None
-    if accelerator.is_main_process:
-        OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-        (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
-    return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume, precision)
+        lock = lock_output_dir(out)
+    try:
+        with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
+            target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
+        eval_sets = load_eval_sets(conf.eval, tokenizer, context_window(target))  # counted in the target's tokens
+        place(target, accelerator.device)
+        set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
+        identity = model_identity(target, conf.model)
+        print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
+                            f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
+        apply_generation_defaults(conf, target.generation_config)
+        print0(accelerator, decoding_line(conf, target, tokenizer))
+        if recipe is not None:
+            recipe.check(conf, target)
+        resume = latest_checkpoint(out, identity, recipe.stages) if recipe is not None and conf.resume else None
+        finished = (finished_steps(out) or []) if recipe is not None and conf.resume else []
+        done = bool(recipe is not None and conf.resume and set(_steps(conf)) <= set(finished))
+        if recipe is not None and conf.resume and resume is None and not finished:
+            print0(accelerator, f"resume=true: {out} holds no checkpoint to continue from: starting afresh")
+        if accelerator.is_main_process:
+            claim_job_dir(conf, recipe, delete=True)  # an overwritten run goes only now: every check has passed
+        accelerator.wait_for_everyone()
+        start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's files are gone
+        if accelerator.is_main_process and not done:
+            OmegaConf.save(cfg, out / "config.yaml", resolve=True)
+            (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
+    except BaseException:
+        release(lock)
+        raise
+    return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume, precision, lock,
+               finished, done)
 
 
 def check_partial(conf: RunConfig) -> None:
@@ -184,27 +220,39 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
     """Validate, save, export (each export with its ``serving.json``: :meth:`Recipe.write_serving`), write
     ``report.json``, then evaluate and write it again; returns the report.
     The ledger (:mod:`draftheads.training.ledger`) is written as each step finishes, so a run a failed step
-    stopped says which steps it finished; ``report["finished"]`` shows the same list to the reader (nothing
-    reads it back). Metrics are logged at ``trained.step``, the last training step on the tracker's axis."""
+    stopped says which steps it finished; ``report["finished"]`` shows the same list to the reader. A resumed run
+    whose ledger lists the save (stopped during its export or evaluation) does not validate or save again: its
+    saved drafter is read back and its report, written after the save, carried on; only the steps left run. Metrics are logged at
+    ``trained.step``, the last training step on the tracker's axis."""
     conf, out = job.conf, job.out
-    finished = _finished(out, recipe, [], "training")
-    val = recipe.validate(job, trained, val_rows)
-    job.accelerator.log(val, step=trained.step)
-    finished = _finished(out, recipe, finished, "validation")
-    print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())
-                                                     if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
-    report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
-              "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
-              "dtype": conf.model.dtype, "precision": job.precision, "resumed_from": str(job.resume[0]) if job.resume else None,
-              "init_from": trained.init_from,
-              "validation": val, **extra, "notes": NOTES}
-    report |= recipe.save(job, trained)
-    report["finished"] = finished = _finished(out, recipe, finished, "save")
-    if conf.export:
+    saved = "save" in job.finished
+    if saved:  # stopped after its save: the report written then holds the validation and what the save returned
+        finished = list(job.finished)
+        loaded = recipe.load(out, conf, job.target)  # what was saved, with what validation added for evaluation
+        trained = replace(trained, model=loaded.model, saved=loaded.saved)
+        report = {**_report(out), "hardware": hardware(), "distributed": distributed(job.accelerator),
+                  "precision": job.precision, "resumed_from": str(job.resume[0]) if job.resume else None}
+        print(f"{out}: validation and save finished before ({', '.join(finished)}): carried on", flush=True)
+    else:
+        finished = _finished(out, recipe, [], "training")
+        val = recipe.validate(job, trained, val_rows)
+        job.accelerator.log(val, step=trained.step)
+        finished = _finished(out, recipe, finished, "validation")
+        print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())
+                                                         if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
+        report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
+                  "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
+                  "dtype": conf.model.dtype, "precision": job.precision,
+                  "resumed_from": str(job.resume[0]) if job.resume else None, "init_from": trained.init_from,
+                  "validation": val, **extra, "notes": NOTES}
+        report |= recipe.save(job, trained)
+        report["finished"] = finished = _finished(out, recipe, finished, "save")
+    if conf.export and "export" not in finished:
         report["exports"] = {**report.get("exports", {}), **recipe.export(out, job.target, trained)}
         report["finished"] = finished = _finished(out, recipe, finished, "export")
-    for path in recipe.write_serving(out, conf, trained):  # beside every export, who serves it (docs/serving.md)
-        print(f"serving: {path}", flush=True)
+    if "export" not in job.finished:  # beside every export, who serves it (docs/serving.md)
+        for path in recipe.write_serving(out, conf, trained):
+            print(f"serving: {path}", flush=True)
     print(f"report: {write_report(report, out)}", flush=True)
     if conf.eval.enabled:
         report["peer_runs"], report["eval"] = evaluate(job, recipe, trained)

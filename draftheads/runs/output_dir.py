@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
+from datetime import datetime, timezone
 from pathlib import Path
+
+import yaml
 
 from draftheads.models.target import weights_sample
 from draftheads.runs.rows import state_cache_dir
@@ -29,6 +33,9 @@ RUN_ENTRIES = ("config.yaml", TARGET_FILE, LEDGER, LEDGER + ".tmp", "report.json
 """What a run, its state cache build, its tracker and the jobs reading it back write in its output_dir (with
 what its drafter saves beside ``export/``: ``Recipe.saved_entries``): an overwriting run deletes these and
 nothing else."""
+
+LOCK = ".lock"
+"""The file a job holds an exclusive lock on while it works in the folder (:func:`lock_output_dir`)."""
 
 PROBE = ".write-probe-"
 """Name prefix of :func:`check_writable`'s probe file (one left by a killed job is a run's too)."""
@@ -56,6 +63,11 @@ def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None
     A folder holding no run (a state cache build, a run that failed before training) is taken as it is."""
     marks = run_marks(out)
     if not marks:
+        strays = foreign_entries(out, RUN_ENTRIES + tuple(saved), keep)
+        if strays:
+            raise FileExistsError(f"output_dir={out} holds no run but files no run writes ({', '.join(strays)}), which "
+                                  f"this run's files would be written beside or over: choose an empty or new "
+                                  f"output_dir, or move them away")
         return
     if not overwrite:
         choices = "resume=true continues it, " if resumable else ""
@@ -85,11 +97,65 @@ def _nothing_finished(out: Path) -> bool:
         return False
 
 
+def foreign_entries(out: Path, entries: tuple[str, ...], keep: Path | None = None) -> list[str]:
+    """The names in ``out`` (sorted) that no run writes: not in ``entries``, not a probe, the lock or the entry
+    holding ``keep`` (the state cache the job reads or writes), and a ``config.yaml`` that is not a draftheads
+    run's (a mapping with ``drafter`` and ``output_dir``: a user's own config of that name). An ``out`` that does
+    not exist holds none."""
+    if not out.is_dir():
+        return []
+    return sorted(p.name for p in out.iterdir()
+                  if (p.name not in entries and not p.name.startswith(PROBE) and p.name != LOCK
+                      and not (keep is not None and _holds(p, keep)))
+                  or (p.name == "config.yaml" and not _run_config(p)))
+
+
+def _run_config(path: Path) -> bool:
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(config, dict) and {"drafter", "output_dir"} <= set(config)
+
+
+def lock_output_dir(out: Path):
+    """Claim ``out`` for this process alone, for as long as the returned handle is open (:func:`release`; the
+    operating system releases it when the process ends, killed or not): an exclusive ``flock`` on ``out/.lock``,
+    which names the holder. A second job on the same folder is refused at once with ``RuntimeError`` naming the
+    holder, before it reads or writes anything there. Where ``fcntl`` is missing (Windows), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    out.mkdir(parents=True, exist_ok=True)
+    handle = open(out / LOCK, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        raise RuntimeError(f"output_dir={out} is in use by another job ({holder}): wait for it to end, or choose "
+                           f"another output_dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+                 f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}")
+    handle.flush()
+    return handle
+
+
+def release(lock) -> None:
+    """Give up :func:`lock_output_dir`'s claim (the file stays: deleting it could let two jobs lock two files)."""
+    if lock is not None:
+        lock.close()
+
+
 def _old_run(out: Path, keep: Path | None, entries: tuple[str, ...]) -> list[Path]:
-    """The entries of ``out`` an overwriting run deletes: all but the one holding ``keep``.
+    """The entries of ``out`` an overwriting run deletes: all but the one holding ``keep`` and the lock.
     Raises ``FileExistsError`` naming those not in ``entries`` (no run writes them), before anything is deleted."""
-    old = [p for p in out.iterdir() if not (keep is not None and _holds(p, keep))]
-    foreign = sorted(p.name for p in old if p.name not in entries and not p.name.startswith(PROBE))
+    old = [p for p in out.iterdir() if not (keep is not None and _holds(p, keep)) and p.name != LOCK]
+    foreign = foreign_entries(out, entries, keep)
     if foreign:
         raise FileExistsError(f"output_dir={out} holds a training run and files no run writes ({', '.join(foreign)}): "
                               f"overwrite=true deletes only a run's own ({', '.join(entries)}); move them away or "

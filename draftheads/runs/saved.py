@@ -55,10 +55,16 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
     Raises ``FileNotFoundError`` for a folder holding no finished run (:func:`check_finished`: ``resume=true``
     finishes it) or missing the target it trained; ``ValueError`` for overrides that choose another target
     than the one it trained (:func:`check_own_target_kept`), a base target other than the one it trained
-    against, weights that do not fit the target."""
+    against, weights that do not fit the target; ``FileNotFoundError`` naming the run's exports for ``weights``
+    that is no folder."""
     folder = Path(run_dir)
     recipe = drafters.of_run(folder)
     check_finished(folder, recipe)
+    if weights is not None and not (folder / weights).is_dir():  # an absolute weights path stays itself
+        exports = sorted(p.name for p in (folder / "export").iterdir()) if (folder / "export").is_dir() else []
+        raise FileNotFoundError(f"weights={weights}: no such folder in {folder} (its exports: "
+                                f"{', '.join(f'export/{e}' for e in exports) or 'none, it ran with export=false: '}"
+                                f"{'' if exports else f'python train/export.py {folder} writes them'})")
     trained_with, conf = run_config(folder, recipe).model, run_config(folder, recipe, overrides)
     spec = recipe.target_of(folder, conf)
     own = spec != conf.model  # the run names a target of its own, not the configured one

@@ -67,6 +67,31 @@ def applies(recipe, conf) -> bool:
     return init_path(recipe, conf) is not None and not (conf.resume and complete_checkpoints(conf.output_dir))
 
 
+def check_init_path(recipe, conf) -> None:
+    """The checks of ``<recipe.name>.init_from`` that need no target, when the job opens (before the accelerator,
+    the target or any deletion): the folder is there, and it is not inside ``output_dir``, which this run claims
+    (``overwrite=true`` would delete the source before it is read; a warm start writes a new run). Raises
+    ``FileNotFoundError`` / ``ValueError`` naming the key and the next command."""
+    if not applies(recipe, conf):
+        return
+    key, path = f"{recipe.name}.init_from", init_path(recipe, conf)
+    if not path.exists():
+        raise FileNotFoundError(_missing(recipe, key, path))
+    out = Path(conf.output_dir)
+    if out.exists() and (path.resolve() == out.resolve() or path.resolve().is_relative_to(out.resolve())):
+        raise ValueError(f"{key}={path} is inside output_dir={out}, which this run claims (overwrite=true would "
+                         f"delete the drafter before it is read): a warm start writes a new run, e.g. "
+                         f"output_dir={out.parent / (out.name + '_refreshed')}")
+
+
+def _missing(recipe, key: str, path: Path) -> str:
+    """What to say of an ``init_from`` that is not there: the job that writes it (a base drafter's, by its
+    default output_dir), or how to start from random weights."""
+    makers = " or ".join(f"train/{r.name}.py" for r in (recipe, *recipe.bases) if Path(path).name == r.name)
+    first = f"run {makers} first (it writes {path}), or " if makers else "give a finished run's or an export folder, or "
+    return f"{key}={path}: no such folder: {first}set {key}=null to train from random weights"
+
+
 def read_source(recipe, conf, target) -> Source:
     """The drafter ``<recipe.name>.init_from`` names, read for ``target`` by the loader of the drafter that saved
     it: the recipe's own or one of its ``bases``. A run folder says its drafter (its ``config.yaml``) and must have
@@ -86,7 +111,7 @@ def _read_source(recipe, conf, target) -> Source:
     key, path = f"{recipe.name}.init_from", init_path(recipe, conf)
     candidates = {r.name: r for r in (recipe, *recipe.bases)}
     if not path.exists():
-        raise FileNotFoundError(f"{key}={path}: no such folder (a finished run's folder or an export folder)")
+        raise FileNotFoundError(_missing(recipe, key, path))
     if (path / RUN_CONFIG).is_file():
         name = OmegaConf.load(path / RUN_CONFIG).get("drafter")
         if name not in candidates:
