@@ -63,7 +63,7 @@ def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None
     A folder holding no run (a state cache build, a run that failed before training) is taken as it is."""
     marks = run_marks(out)
     if not marks:
-        strays = foreign_entries(out, RUN_ENTRIES + tuple(saved), keep)
+        strays = foreign_entries(out, RUN_ENTRIES + tuple(saved), keep, runless=True)
         if strays:
             raise FileExistsError(f"output_dir={out} holds no run but files no run writes ({', '.join(strays)}), which "
                                   f"this run's files would be written beside or over: choose an empty or new "
@@ -97,17 +97,18 @@ def _nothing_finished(out: Path) -> bool:
         return False
 
 
-def foreign_entries(out: Path, entries: tuple[str, ...], keep: Path | None = None) -> list[str]:
+def foreign_entries(out: Path, entries: tuple[str, ...], keep: Path | None = None,
+                    runless: bool = False) -> list[str]:
     """The names in ``out`` (sorted) that no run writes: not in ``entries``, not a probe, the lock or the entry
-    holding ``keep`` (the state cache the job reads or writes), and a ``config.yaml`` that is not a draftheads
-    run's (a mapping with ``drafter`` and ``output_dir``: a user's own config of that name). An ``out`` that does
-    not exist holds none."""
+    holding ``keep`` (the state cache the job reads or writes); in a folder holding no run (``runless``), also a
+    ``config.yaml`` that is not a draftheads run's (a mapping with ``drafter`` and ``output_dir``: a user's own
+    config of that name). An ``out`` that does not exist holds none."""
     if not out.is_dir():
         return []
     return sorted(p.name for p in out.iterdir()
                   if (p.name not in entries and not p.name.startswith(PROBE) and p.name != LOCK
                       and not (keep is not None and _holds(p, keep)))
-                  or (p.name == "config.yaml" and not _run_config(p)))
+                  or (runless and p.name == "config.yaml" and not _run_config(p)))
 
 
 def _run_config(path: Path) -> bool:
