@@ -10,6 +10,7 @@ from pathlib import Path
 from draftheads.data.batching import DataReport, rows_from_chats
 from draftheads.data.conversations import load_chats
 from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate, resolve_reasoning
+from draftheads.data.sources import row_location
 from draftheads.data.templates import (TemplateRejected, apply_system_policy, check_template, check_thinking_switch,
                                        render)
 
@@ -112,6 +113,20 @@ def make_backend(data_cfg, target, tokenizer):
     return TransformersBackend(target, tokenizer, data_cfg.generation)
 
 
+def check_failed(answered: list, ceiling: float) -> None:
+    """``RuntimeError`` when more than ``ceiling`` (``data.max_failed_fraction``) of the conversations the
+    regeneration answered failed: naming the share, the first failed rows with their errors, and what to do. Below
+    it the failed rows are left out and counted (``failed`` in the data report; a rerun retries them)."""
+    failed = [r for r in answered if r.error is not None]
+    if answered and len(failed) > ceiling * len(answered):
+        shown = "; ".join(f"{row_location(r.source, r.row)}: {r.error}" for r in failed[:5])
+        raise RuntimeError(f"regeneration failed on {len(failed)} of {len(answered)} conversations "
+                           f"({len(failed) / len(answered):.1%} > data.max_failed_fraction={ceiling:g}): {shown}"
+                           f"{' ...' if len(failed) > 5 else ''}. The answered ones are cached: fix the cause (the "
+                           f"server, its limits, data.generation) and rerun, which retries only the failed; or "
+                           f"raise data.max_failed_fraction to train without them")
+
+
 def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path,
                         show_progress: bool = True, rank: int = 0, world_size: int = 1,
                         barrier=lambda: None) -> tuple[list[dict], list[dict], DataReport]:
@@ -126,7 +141,8 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     ``data.generation.seed``), rendered, answered and trained in it; the rows carry ``thinking`` and the report
     counts them.
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, a thinking fraction outside [0, 1]
-    or one for a template with no thinking switch, or no trainable token left.
+    or one for a template with no thinking switch, or no trainable token left; ``RuntimeError`` for more failed
+    answers than ``data.max_failed_fraction`` allows (:func:`check_failed`).
     """
     if data_cfg.num_val_prompts < 1:
         raise ValueError("data.num_val_prompts must be >= 1: the drafter is validated on held-out rows")
@@ -146,6 +162,7 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
                               Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress,
                               rank, world_size, barrier)
         report.failed = sum(r.error is not None for r in answered)
+        check_failed(answered, data_cfg.max_failed_fraction)
         by_key = {(r.source, r.row): r for r in answered if r.error is None}
         chats = [c if c.tokens is not None else by_key.get((c.source, c.row)) for c in chats]
         chats = [c for c in chats if c is not None]

@@ -49,7 +49,8 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
         sets = vllm_sets(run, conf, vllm_venv)
     else:
         record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
-        peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target)
+        peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target,
+                                      conf.eval.unusable_peers)
         sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
                                 load_eval_sets(conf.eval, run.tokenizer, context_window(run.target)), peers)
         notes += unmeasured_peers(conf.eval, sets)

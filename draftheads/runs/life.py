@@ -36,7 +36,7 @@ from draftheads.runs.output_dir import (TARGET_FILE, check_writable, claim_job_d
 from draftheads.runs.preflight import serving_preflight
 from draftheads.runs.resume import check_resume
 from draftheads.runs.rows import job_rows
-from draftheads.runs.saved import PeerRun, load_peer_runs, peer_methods
+from draftheads.runs.saved import PeerRun, check_peer_runs, load_peer_runs, peer_methods
 from draftheads.training.checkpoint import latest_checkpoint
 from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
 from draftheads.training.ledger import finished_steps, record_finished, start_ledger
@@ -131,6 +131,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     precision = settle_precision(cfg, conf)  # auto: bf16 where this machine has it natively, else float32
     if recipe is not None:
         check_init_path(recipe, conf)
+        if conf.eval.enabled:
+            check_peer_runs(conf.eval.peer_runs, conf.eval.unusable_peers)
         if conf.resume:
             check_resume(out, cfg)
     claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
@@ -276,7 +278,7 @@ def evaluate(job: Job, recipe: Recipe, trained: Trained) -> tuple[list[str], dic
     sets. Returns the peers' notes (with any ``eval.peers`` name left unmeasured) and the evaluated sets."""
     conf, out = job.conf, job.out
     host = resolve_target_path(recipe.target_of(out, conf), conf.cache_dir)
-    peers, notes = load_peer_runs(conf.eval.peer_runs, _record(out), host, job.target)
+    peers, notes = load_peer_runs(conf.eval.peer_runs, _record(out), host, job.target, conf.eval.unusable_peers)
     sets = evaluate_drafter(conf, recipe, trained, job.target, job.tokenizer, job.eval_sets, peers)
     return notes + unmeasured_peers(conf.eval, sets), sets
 

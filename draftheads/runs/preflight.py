@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -106,9 +107,12 @@ def serving_preflight(job: Job, recipe: Recipe) -> dict:
         except subprocess.CalledProcessError as e:
             if conf.serving.preflight == Preflight.on:
                 raise
-            print(f"serving preflight: vLLM's engine failed on the export ({e}); serving.preflight=auto goes on",
+            tail = (e.stderr or e.output or "")[-1500:] if isinstance(e.stderr or e.output, str) else ""
+            print(f"WARNING: serving preflight UNDECIDED: vLLM's engine failed on {recipe.name}'s untrained export "
+                  f"({e}), so nothing says it will serve what this job trains. serving.preflight=auto goes on; "
+                  f"serving.preflight=on stops here instead. The engine's last words:\n{tail}", file=sys.stderr,
                   flush=True)
-            return {"mode": mode, "ran": True, "passed": None, "why": f"the engine failed: {e}"}
+            return {"mode": mode, "ran": True, "passed": None, "why": f"undecided: the engine failed: {e}"}
     record = {"mode": mode, "ran": True, **record, "seconds": round(time.perf_counter() - start, 1)}
     if not record["passed"]:
         report = json.loads((job.out / "report.json").read_text()) if (job.out / "report.json").exists() else {}

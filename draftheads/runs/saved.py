@@ -4,6 +4,7 @@ finished its save (its ledger), and other runs measured beside it (``eval.peer_r
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -130,12 +131,24 @@ class PeerRun:
     target: object
 
 
-def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target) -> tuple[list[PeerRun], list[str]]:
+def check_peer_runs(folders: list[str], policy: str) -> None:
+    """``FileNotFoundError`` when the job opens, for an ``eval.peer_runs`` folder that is not there (under
+    ``eval.unusable_peers=fail``): before training, not at the evaluation that ends it."""
+    missing = [name for name in folders if not Path(name).is_dir()]
+    if missing and policy == "fail":
+        raise FileNotFoundError(f"eval.peer_runs: {', '.join(missing)}: no such run folder; train it first, drop it "
+                                f"from eval.peer_runs, or set eval.unusable_peers=skip to measure without it")
+
+
+def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target,
+                   policy: str = "fail") -> tuple[list[PeerRun], list[str]]:
     """The runs of ``eval.peer_runs`` that fit: finished (their save at least: :func:`check_finished`), of a
     registered drafter, trained against the target whose ``target.json`` record is ``record``. Each is verified
     by the target it is served with: ``host_target`` when that is the same folder as ``host_path`` (what this
     run is evaluated on), else its own, loaded. Returns them and one note per run (measured, or why it was
-    skipped: a peer that does not fit is never a failure). Loading draws nothing from the global RNG."""
+    skipped). A peer that does not fit raises ``ValueError`` naming it and why under ``policy`` fail
+    (``eval.unusable_peers``); under skip it is a note and a WARNING line. Loading draws nothing from the global
+    RNG."""
     peers, notes = [], []
     with torch.random.fork_rng(devices=[]):
         for name in folders:
@@ -160,6 +173,10 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
                 notes.append(f"{folder}: {recipe.name}, measured" + ("" if target is host_target else f" on its own "
                                                                       f"target {path}, the one it is served with"))
             except (FileNotFoundError, ValueError, KeyError) as e:  # KeyError: a key this version no longer has
+                if policy == "fail":
+                    raise ValueError(f"eval.peer_runs: {folder} cannot be measured beside this run ({e}); fix it, "
+                                     f"drop it, or set eval.unusable_peers=skip") from e
+                print(f"WARNING: eval.peer_runs: {folder} skipped ({e})", file=sys.stderr, flush=True)
                 notes.append(f"{folder}: skipped ({e})")
     return peers, notes
 

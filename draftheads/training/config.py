@@ -96,6 +96,12 @@ class NonFinite(Choice):
     skip = "skip"
 
 
+class UnusablePeers(Choice):
+    """What a peer run that cannot be measured does (``eval.unusable_peers``)."""
+    fail = "fail"
+    skip = "skip"
+
+
 class Tracker(Choice):
     """Experiment tracker (``tracker.name``)."""
     wandb = "wandb"
@@ -145,6 +151,10 @@ class DataConfig(PromptSource):
     regenerate: bool = True
     """Replace every assistant turn by the target's own answer, turn by turn (self-distillation); false trains
     on the dataset's own assistant turns."""
+    max_failed_fraction: float = 0.01
+    """The share of conversations the regeneration may fail on (a server's errors or timeouts) before the job
+    stops, naming them; below it they are left out and counted (``failed``). 1% by default: a few transient
+    failures in a large regeneration, not a broken server training on what happened to come back."""
     train_on: TrainOn = TrainOn.all
     """Assistant turns trained on: all, or the last one only."""
     system: SystemPolicy = SystemPolicy.auto
@@ -255,8 +265,13 @@ class EvalConfig:
     nothing measured (a skipped peer run's) is noted in the report's ``peer_runs``."""
     peer_runs: list[str] = field(default_factory=list)
     """Finished runs of any drafter for the same target, measured beside this run's drafter on the same
-    prompts (each contributes its own methods: medusa_chain and medusa_tree, dflash, eagle3...). A run that is
-    missing, unfinished or made for another target is skipped with a note in the report."""
+    prompts (each contributes its own methods: medusa_chain and medusa_tree, dflash, eagle3...). One that is
+    missing, unfinished or made for another target fails the evaluation (a missing one when the job opens),
+    unless ``unusable_peers: skip``."""
+    unusable_peers: UnusablePeers = UnusablePeers.fail
+    """A peer run that cannot be measured: fail (the job or ``train/evaluate.py`` stops naming it and why) or skip
+    (a WARNING line and a note in the report's ``peer_runs``; what the default jobs ask for their sibling jobs'
+    runs, which a user may not have trained)."""
     prompt_lookup_tokens: int = 10
     """Also measure transformers' prompt-lookup decoding (a model-free peer) with this many draft tokens,
     at every temperature; 0 skips it."""

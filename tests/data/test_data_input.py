@@ -380,3 +380,21 @@ def test_regenerating_into_something_that_is_no_file_is_refused_before_the_targe
         cfg = compose("regenerate", overrides=["model=tiny", f"cache_dir={cache_dir}", f"output={out}"])
     with pytest.raises(ValueError, match=rf"output={out} is not a regular file .* name the .jsonl file"):
         regenerate.regenerate_data(cfg)
+
+
+@pytest.mark.parametrize("ceiling, stops", [(0.01, True), (0.5, False)])
+def test_regeneration_stops_past_its_failed_fraction_naming_the_rows(server, tiny, tmp_path, ceiling, stops):
+    """Issue 53: the rows the regeneration failed on were dropped with no ceiling (1 of 3 here)."""
+    model, tokenizer = tiny
+    rows = [{"prompt": "a"}, {"prompt": "broken"}, {"prompt": "c"}, {"prompt": "d"}]
+    path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(r).encode() for r in rows])
+    cfg = data_cfg(path, num_val_prompts=1, max_failed_fraction=ceiling, max_length=256, regenerate=True,
+                   server={"base_url": server, "max_retries": 0})
+    run = lambda: self_distilled_rows(cfg, model, tokenizer, {}, tmp_path / "cache", False)  # noqa: E731
+    if stops:
+        with pytest.raises(RuntimeError, match=rf"failed on 1 of 4 conversations \(25.0% > data.max_failed_fraction="
+                                               rf"0.01\): {path} row 1 \(line 2\): turn 0: InternalServerError"):
+            run()
+    else:
+        train, val, report = run()
+        assert report.failed == 1 and len(train) + len(val) == 3

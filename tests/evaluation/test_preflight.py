@@ -192,3 +192,25 @@ def test_vllm_reads_a_correct_eagle3_export_as_meant_and_catches_a_wrong_one(tmp
     assert record["readings"]["draft_vocabulary"]["server"]["size"] == 256
     assert record["readings"]["norm_before_residual"]["server"] is True
     print(f"preflight on the tiny target: {record['seconds']} s ({record['engine_seconds']} s in the engine)")
+
+
+@pytest.mark.parametrize("mode", ["auto", "on"])
+def test_an_engine_that_fails_on_the_export_is_undecided_loudly_and_stops_the_job_under_on(tmp_path, cache_dir,
+                                                                                         monkeypatch, capsys, mode):
+    """Issue 53: under auto a vLLM engine crash became passed: null with one quiet line, and training went on."""
+    import subprocess
+    monkeypatch.setattr(job_preflight, "preflight_python", lambda job, recipe: ("python", ""))
+
+    def crash(python, job):
+        raise subprocess.CalledProcessError(1, ["python", "vllm_runner.py"], stderr="RuntimeError: engine died")
+    monkeypatch.setattr(preflight_module, "run_vllm", crash)
+    overrides = ["eagle3.target_layer_ids=[2,3,0]", f"serving.preflight={mode}", "eval.enabled=false"]
+    if mode == "on":
+        monkeypatch.setattr(train_module, "job_rows", lambda *a, **k: pytest.fail("rows built after the crash"))
+        with pytest.raises(subprocess.CalledProcessError):
+            train("eagle3", smoke("eagle3", tmp_path / "run", cache_dir, *overrides))
+        return
+    report = train("eagle3", smoke("eagle3", tmp_path / "run", cache_dir, *drafters.get("eagle3").short, *overrides))
+    err = capsys.readouterr().err
+    assert "WARNING: serving preflight UNDECIDED" in err and "engine died" in err and "serving.preflight=on" in err
+    assert report["preflight"]["passed"] is None and report["preflight"]["why"].startswith("undecided")

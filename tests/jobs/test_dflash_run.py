@@ -96,9 +96,10 @@ def test_padded_dflash_runs_train_and_resume_to_the_same_drafter(target_states, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny, cache_dir):
+def test_peer_runs_that_do_not_fit_fail_the_evaluation_or_are_skipped_when_asked(medusa_run, tiny, cache_dir):
     """Any finished run is measured beside another for the same target; a missing run or one made for another
-    target (other sizes, or the same sizes with other weights) is skipped and says why, never a failure."""
+    target (other sizes, or the same sizes with other weights) fails, naming it and why (issue 53: it became a
+    quiet note), or under eval.unusable_peers=skip is skipped with a note saying why."""
     model, _ = tiny
     record, host = json.loads((medusa_run / "target.json").read_text()), load_target(TargetSpec(TINY), cache_dir)[2]
     peers, notes = load_peer_runs([str(medusa_run)], record, host, model)
@@ -106,12 +107,15 @@ def test_peer_runs_that_do_not_fit_are_skipped_with_a_note(medusa_run, tiny, cac
     assert peers[0].trained.saved["head_rank_accuracy"] and peers[0].target is model  # its tree's accuracies
     other_weights = {**record, "weights_sample_sha256": "0" * 64}
     for other in ({**record, "hidden_size": 32}, other_weights):
-        peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], other, host, model)
+        with pytest.raises(ValueError, match=rf"eval.peer_runs: {medusa_run} cannot be measured .*made for another "
+                                             rf"target.*eval.unusable_peers=skip"):
+            load_peer_runs([str(medusa_run)], other, host, model)
+        peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], other, host, model, "skip")
         assert peers == [] and len(notes) == 2 and "skipped (made for another target" in notes[0]
         assert "skipped" in notes[1] and "target.json" in notes[1]
     (medusa_run / "target.json").write_text(json.dumps({k: v for k, v in record.items() if k != "weights_sample_sha256"}))
     try:
-        peers, (note,) = load_peer_runs([str(medusa_run)], record, host, model)
+        peers, (note,) = load_peer_runs([str(medusa_run)], record, host, model, "skip")
         assert peers == [] and "lacks ['weights_sample_sha256']: made by an older draftheads" in note
     finally:
         (medusa_run / "target.json").write_text(json.dumps(record))

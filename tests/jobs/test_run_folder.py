@@ -151,12 +151,14 @@ def test_export_of_a_run_killed_before_its_save_says_resume_finishes_it(moved, t
         export_run(copy)
 
 
-def test_an_unfinished_peer_run_is_skipped_with_a_note(moved, tmp_path, cache_dir):
+def test_an_unfinished_peer_run_fails_or_is_skipped_with_a_note_when_asked(moved, tmp_path, cache_dir):
     folder = moved[0]
     record = json.loads((folder / "target.json").read_text())
     model, _, host = load_target(TargetSpec(TINY), cache_dir)
     unfinished = _unfinished(folder, tmp_path / "unfinished", [])
-    peers, notes = load_peer_runs([str(folder), str(unfinished)], record, host, model)
+    with pytest.raises(ValueError, match=rf"{unfinished} cannot be measured"):
+        load_peer_runs([str(folder), str(unfinished)], record, host, model)
+    peers, notes = load_peer_runs([str(folder), str(unfinished)], record, host, model, "skip")
     assert [p.folder for p in peers] == [folder]
     assert notes[0].startswith(f"{folder}: medusa, measured")
     assert notes[1].startswith(f"{unfinished}: skipped") and "resume=true finishes it" in notes[1]

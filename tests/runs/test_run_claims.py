@@ -169,3 +169,11 @@ def test_long_prompts_beyond_the_targets_window_are_refused_before_training(tmp_
     long = "eval.sets=[{name: long, source: chitchat, num_prompts: 1, min_prompt_tokens: 4000}]"
     with pytest.raises(ValueError, match=r"eval set 'long': 1 of 1 prompts do not fit the target's context window"):
         run_medusa(smoke("medusa", tmp_path / "run", cache_dir, "stage1.epochs=1", "stage2.enabled=false", long))
+
+
+def test_a_missing_peer_run_fails_when_the_job_opens_unless_asked_to_skip(tmp_path, cache_dir, monkeypatch):
+    """Issue 53: a peer run that could not be loaded became a note at the end of the run."""
+    no_target(monkeypatch)
+    with pytest.raises(FileNotFoundError, match=rf"eval.peer_runs: {tmp_path / 'medusa'}: no such run folder.*"
+                                                rf"eval.unusable_peers=skip"):
+        run_medusa(smoke("medusa", tmp_path / "run", cache_dir, *SHORT, f"eval.peer_runs=[{tmp_path / 'medusa'}]"))

@@ -14,9 +14,15 @@ from draftheads.training.ledger import record_finished
 from draftheads.training.recipe import FeatureRecipe
 from tests.helpers import ENGINES, SMOKE_STAGES, greedy_lossless, launch, launch_cmd, launch_env
 
-pytest.importorskip("deepspeed")
-
 pytestmark = pytest.mark.slow  # 2-process launches under every engine
+
+try:
+    import deepspeed  # noqa: F401
+    NO_DEEPSPEED = None
+except ImportError as e:
+    NO_DEEPSPEED = str(e)
+NEEDS_DEEPSPEED = pytest.mark.skipif(NO_DEEPSPEED is not None, reason=f"DeepSpeed does not import: {NO_DEEPSPEED}")
+"""On the DeepSpeed cases only: the FSDP2 ones run without it (pip install -e '.[test]' brings it)."""
 
 MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
 FEATURE_DRAFTERS = sorted(name for name in drafters.DRAFTERS if isinstance(drafters.get(name), FeatureRecipe))
@@ -30,11 +36,14 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_same_weights(a: dict, b: dict, atol: float = 1e-5) -> None:
+def assert_same_weights(a: dict, b: dict, atol: float = 1e-5, loose: dict[str, float] | None = None) -> None:
+    """Every tensor within ``atol``, but those whose name holds a key of ``loose``, within its value (each
+    tolerance that is wider than ``atol`` says why where it is given)."""
     assert a.keys() == b.keys() and a
-    worst = max(a, key=lambda k: (a[k].float() - b[k].float()).abs().max().item())
-    assert (a[worst].float() - b[worst].float()).abs().max().item() < atol, \
-        (worst, (a[worst].float() - b[worst].float()).abs().max().item())
+    tolerance = {k: next((t for part, t in (loose or {}).items() if part in k), atol) for k in a}
+    off = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
+    bad = {k: (d, tolerance[k]) for k, d in off.items() if not d < tolerance[k]}
+    assert not bad, bad
 
 
 def assert_same_curve(a: list[dict], b: list[dict], key: str) -> None:
@@ -48,7 +57,8 @@ def ddp_medusa(tmp_path_factory, cache_dir):
     return out, launch("medusa", out, cache_dir, *MEDUSA)
 
 
-@pytest.mark.parametrize("engine, kind", [("fsdp", "FSDP"), ("zero2", "DEEPSPEED"), ("zero3", "DEEPSPEED")])
+@pytest.mark.parametrize("engine, kind", [("fsdp", "FSDP"), pytest.param("zero2", "DEEPSPEED", marks=NEEDS_DEEPSPEED),
+                                          pytest.param("zero3", "DEEPSPEED", marks=NEEDS_DEEPSPEED)])
 def test_sharded_medusa_run_trains_what_ddp_trains_and_resumes(engine, kind, ddp_medusa, tmp_path, cache_dir):
     """Both stages under the engine: the same losses, heads and stage-2 target layers as DDP, and a lossless
     evaluation on rank 0 with the gathered weights. Then the run cut after stage 1's last checkpoint but one (later
@@ -89,26 +99,45 @@ def test_packed_batches_under_fsdp2_train_what_ddp_trains(tmp_path, cache_dir):
     assert_same_weights(weights(tmp_path / "fsdp" / "medusa_heads"), weights(tmp_path / "ddp" / "medusa_heads"))
 
 
+@pytest.fixture(scope="module")
+def ddp_feature_runs(tmp_path_factory, cache_dir):
+    """Each feature drafter's DDP run, the reference of both engines' runs: ``{job: (report, weights)}``, made on
+    first use."""
+    runs = {}
+
+    def run(job: str):
+        if job not in runs:
+            out = tmp_path_factory.mktemp(f"ddp_{job}")
+            report = launch(job, out, cache_dir, *feature_overrides(job))
+            runs[job] = report, weights(out / drafters.get(job).vllm_weights)
+        return runs[job]
+    return run
+
+
+def feature_overrides(job: str) -> list[str]:
+    return [*drafters.get(job).short, "trainer.mixed_precision=no", "trainer.optimizer=adamw"]  # Muon: DDP only
+
+
+@pytest.mark.parametrize("engine, target_states", [("fsdp", "memory"),
+                                                   pytest.param("zero3", "online", marks=NEEDS_DEEPSPEED)])
 @pytest.mark.parametrize("job", FEATURE_DRAFTERS)
-def test_sharded_feature_drafters_train_what_ddp_trains(job, tmp_path, cache_dir):
+def test_sharded_feature_drafters_train_what_ddp_trains(job, engine, target_states, ddp_feature_runs, tmp_path,
+                                                        cache_dir):
     """The drafters that read target layers, under FSDP on cached features and under ZeRO-3 with the target
     running online: the same losses and drafter as DDP."""
     recipe = drafters.get(job)
-    own = [*recipe.short, "trainer.mixed_precision=no", "trainer.optimizer=adamw"]  # Muon refuses these engines
-    ref = launch(job, tmp_path / "ddp", cache_dir, *own)
-    ref_weights = weights(tmp_path / "ddp" / recipe.vllm_weights)
-    for engine, target_states in (("fsdp", "memory"), ("zero3", "online")):
-        report = launch(job, tmp_path / engine, cache_dir, *own, f"data.target_states={target_states}", engine=engine)
-        assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
-        # EAGLE-3's unrolled steps amplify float32 reduction-order differences (1.4e-5 in an MLP weight after 36
-        # AdamW steps at the smoke rate; the curves agree to 1e-5), as DFlash's do on some CPUs (2.6e-5 in fc on
-        # 2 AMD EPYC cores, 2026-12-02). DSpark's Markov rows of rarely read tokens get
-        # gradients near AdamW's eps (both low-rank factors start at N(0, 0.02)), where such differences change the
-        # step: under ZeRO-3 1-3 entries differ after 1-3 steps (< 7e-6), 3.1e-3 in 22 rows of markov_w1 after 3
-        # epochs (FSDP equal to DDP exactly; the curves agree to 1.5e-6)
-        assert_same_weights(weights(tmp_path / engine / recipe.vllm_weights), ref_weights,
-                            {"dspark": 5e-3}.get(job, 5e-5))
-        assert all(greedy_lossless(m) for m in report["eval"].values())
+    ref, ref_weights = ddp_feature_runs(job)
+    report = launch(job, tmp_path / engine, cache_dir, *feature_overrides(job), f"data.target_states={target_states}",
+                    engine=engine)
+    assert_same_curve(report["train_curves"][job], ref["train_curves"][job], f"{job}/loss")
+    # EAGLE-3's unrolled steps amplify float32 reduction-order differences (1.4e-5 in an MLP weight after 36 AdamW
+    # steps at the smoke rate; the curves agree to 1e-5), as DFlash's do on some CPUs (2.6e-5 in fc on 2 AMD EPYC
+    # cores, 2026-12-02): 5e-5 for every tensor. DSpark's Markov rows of rarely read tokens get gradients near
+    # AdamW's eps (both low-rank factors start at N(0, 0.02)), where such differences change the step: under ZeRO-3
+    # 1-3 entries differ after 1-3 steps (< 7e-6), 3.1e-3 in 22 rows of markov_w1 after 3 epochs (FSDP equal to DDP
+    # exactly; the curves agree to 1.5e-6): markov_w1 alone is held to 5e-3
+    assert_same_weights(weights(tmp_path / engine / recipe.vllm_weights), ref_weights, 5e-5, {"markov_w1": 5e-3})
+    assert all(greedy_lossless(m) for m in report["eval"].values())
 
 
 def bf16_rounded(t: torch.Tensor) -> bool:
@@ -116,7 +145,9 @@ def bf16_rounded(t: torch.Tensor) -> bool:
     return bool((t.float().view(torch.int32) & 0xFFFF).eq(0).all())
 
 
-BF16 = ["stage1.epochs=4", "stage2.enabled=false", "eval.enabled=false", "export=false"]
+BF16 = ["stage1.epochs=4", "stage2.enabled=false", "eval.enabled=false", "export=false", "trainer.mixed_precision=bf16"]
+"""bf16 asked for explicitly: ``auto`` settles to float32 on a CPU without bf16 instructions (emulated here: slow on
+the tiny target, but what is tested is what the engines keep, not speed)."""
 
 
 @pytest.fixture(scope="module")
@@ -125,9 +156,9 @@ def ddp_bf16(tmp_path_factory, cache_dir):
     return out, launch("medusa", out, cache_dir, *BF16)
 
 
-@pytest.mark.parametrize("engine", ["fsdp", "zero2"])
+@pytest.mark.parametrize("engine", ["fsdp", pytest.param("zero2", marks=NEEDS_DEEPSPEED)])
 def test_bf16_training_keeps_float32_weights_under_every_engine(engine, ddp_bf16, tmp_path, cache_dir):
-    """With trainer.mixed_precision=bf16 (the default) the engines compute in bf16 but keep, reduce and hand back
+    """With trainer.mixed_precision=bf16 (what auto settles to on a GPU) the engines compute in bf16 but keep, reduce and hand back
     float32: the heads saved are not bf16-rounded (DeepSpeed's float32 master weights, not its bf16 copies), the
     logged losses are not bf16 values (FSDP2 returns the loss in float32), and both stay close to DDP's."""
     ref_out, ref = ddp_bf16
