@@ -72,7 +72,8 @@ EPOCHS = {"medusa": 1, "dflash": 3, "eagle3": 2, "dspark": 3}
 EVAL = ["eval.temperatures=[0.0,0.7]", "eval.max_new_tokens=48",
         "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 12}, "
         "{name: humaneval, source: humaneval, num_prompts: 8}]", "eval.peer_runs=[]", "eval.peers=null"]
-"""The shipped held-out sets (fewer prompts than the jobs' 16 each), greedy and sampled."""
+"""Held-out sets of 12 chitchat and 8 HumanEval prompts, greedy and sampled (the jobs' own sizes are in
+conf/eval/builtin.yaml)."""
 
 
 def run(drafter: str, setting: str, out: Path, extra: list[str]) -> dict:

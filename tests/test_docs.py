@@ -1,0 +1,36 @@
+"""The docs say what is true where a test can tell: every commit they cite for a measurement is in the history
+(a stamp naming a commit that never landed cannot be rerun)."""
+
+import re
+import subprocess
+
+import pytest
+
+from tests.helpers import ROOT
+
+COMMIT = re.compile(r"`([0-9a-f]{7,40})`")
+"""A commit as the docs stamp one: hex in backticks (a hash of seven or more digits)."""
+
+
+def git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+
+
+def cited_commits() -> dict[str, list[str]]:
+    """``{commit: [file:line, ...]}`` for every stamp in README.md and docs/."""
+    cited: dict[str, list[str]] = {}
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for commit in COMMIT.findall(line):
+                if re.search(r"[a-f]", commit) and re.search(r"[0-9]", commit):
+                    cited.setdefault(commit, []).append(f"{path.relative_to(ROOT)}:{n}")
+    return cited
+
+
+@pytest.mark.skipif(git("rev-parse", "--is-shallow-repository").stdout.strip() != "false",
+                    reason="needs the whole history (not a git checkout, or a shallow clone)")
+def test_every_commit_the_docs_cite_is_in_the_history():
+    cited = cited_commits()
+    assert cited, "the docs stamp their measurements with commits"
+    missing = {c: where for c, where in cited.items() if git("cat-file", "-e", f"{c}^{{commit}}").returncode != 0}
+    assert not missing, f"commits cited in the docs that are not in the history: {missing}"
