@@ -52,6 +52,13 @@ class DataReport:
     thinking_modes: dict[str, int] = field(default_factory=dict)
     """Rows made in each thinking mode (``thinking``, ``no_thinking``), training and validation together, when
     ``data.thinking_fraction`` is set; empty for the template's default rendering."""
+    self_made: dict = field(default_factory=dict)
+    """Prompts the target wrote itself (``data.source=self_made``), by source file: ``made`` (candidates
+    sampled), ``kept`` (passed the filters), ``used`` (the rows asked for), ``dropped`` by filter,
+    ``distinct_bigrams`` of the used (:mod:`draftheads.data.self_made`)."""
+    near_eval: dict = field(default_factory=dict)
+    """Training prompts that near-duplicate a prompt of the job's eval sets: ``count`` and the first ``examples``
+    (set by the job, which holds both)."""
 
     @property
     def trainable_fraction(self) -> float:
@@ -72,9 +79,13 @@ class DataReport:
         left = f" + {self.rows_left_out} left out (beyond the processes' equal shares)" if self.rows_left_out else ""
         modes = ", ".join(f"{k} {v}" for k, v in sorted(self.thinking_modes.items()))
         modes = f"; rows per mode: {modes}" if modes else ""
+        made = "".join(f"; self-made {m['used']} used, {m['kept']} kept of {m['made']} sampled (dropped: "
+                       f"{', '.join(f'{k} {v}' for k, v in sorted(m['dropped'].items())) or 'none'}; distinct "
+                       f"bigrams {m['distinct_bigrams']:.2f})" for m in self.self_made.values())
+        near = f"; {self.near_eval['count']} near-duplicate an eval prompt" if self.near_eval.get("count") else ""
         return (f"{self.rows_in} rows in -> {self.rows_out} out{left}, skipped: {skipped}; failed {self.failed}, "
                 f"truncated {self.truncated}, unfinished answers {self.unfinished_answers}; {self.tokens} tokens, "
-                f"{self.trainable_fraction:.1%} trainable; lengths {self.length_percentiles}{pad}{modes}")
+                f"{self.trainable_fraction:.1%} trainable; lengths {self.length_percentiles}{pad}{modes}{made}{near}")
 
 
 def rows_from_chats(tokenizer, chats: list, max_length: int, report: DataReport, train_on: str = "all",

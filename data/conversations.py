@@ -270,6 +270,9 @@ def raw_rows(src: PromptSource, part: str, limit: int) -> Iterator[tuple[str, st
         return
     if src.source not in SOURCES:
         raise ValueError(f"unknown prompt source {src.source!r}; valid: {', '.join(SOURCES)}")
+    if src.source == "self_made":
+        raise ValueError("source self_made: the target writes these prompts, so a job that holds it makes them into a "
+                         "file first (draftheads.data.pipeline.made_source); this reader has no target")
     if not src.path:
         raise ValueError(f"source {src.source!r} needs a path")
     if src.source == "jsonl":

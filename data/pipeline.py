@@ -4,12 +4,17 @@ answers, turn by turn (cached) -> token ids and assistant-token loss masks -> a 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
+import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 from draftheads.data.batching import DataReport, rows_from_chats
 from draftheads.data.conversations import load_chats
 from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate, resolve_reasoning
+from draftheads.data.self_made import NearDuplicates, cache_file, distinct_bigrams, self_made_prompts
 from draftheads.data.sources import row_location
 from draftheads.data.templates import (TemplateRejected, apply_system_policy, check_template, check_thinking_switch,
                                        render)
@@ -127,9 +132,62 @@ def check_failed(answered: list, ceiling: float) -> None:
                            f"raise data.max_failed_fraction to train without them")
 
 
+def near_eval(chats: list, held_out: list[str], threshold: float = 0.7, shown: int = 5) -> dict:
+    """The training conversations whose user turns near-duplicate an eval prompt (MinHash LSH over word 3-grams at
+    Jaccard ``threshold``, :class:`~draftheads.data.self_made.NearDuplicates`): ``count`` and the first ``shown``
+    ``examples`` (where, and the start of its text). Published benchmarks' prompts must never be trained on."""
+    index = NearDuplicates(threshold)
+    for text in held_out:
+        index.add(text)
+    found = [(c, m["content"]) for c in chats if c.tokens is None
+             for m in [next((m for m in c.messages if m["role"] == "user" and index.seen(m["content"])), None)] if m]
+    return {"count": len(found), "examples": [f"{c.where}: {text[:80]!r}" for c, text in found[:shown]]}
+
+
+def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: str | Path,
+                report: DataReport | None = None, show_progress: bool = True):
+    """``src`` itself, or for a ``self_made`` source a JSONL source over the first ``count`` prompts the target
+    wrote (:func:`~draftheads.data.self_made.self_made_prompts`, cached), written to
+    ``<cache>/self_made/<key>-<count>.jsonl``: every reader downstream (rows, eval prompts, row numbering) reads
+    it as any file. What the filters dropped and the prompts' diversity go into ``report.self_made``."""
+    if src.source != "self_made":
+        return src
+    counts = Counter()
+    rows = self_made_prompts(src.self_made, count, target, tokenizer, model_id, cache_dir, counts, show_progress)
+    path = cache_file(src.self_made, model_id, tokenizer.chat_template, cache_dir)
+    path = path.with_name(f"{path.stem}-{count}.jsonl")
+    if not path.exists():
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        os.replace(tmp, path)
+    if len(rows) < count:
+        print(f"WARNING: self-made prompts: {len(rows)} of the {count} asked survived the filters in "
+              f"{counts['made']} sampled ({dict(counts)}): raise self_made.max_batches, or loosen the filters",
+              file=sys.stderr, flush=True)
+    if report is not None:
+        made, kept = counts.pop("made", 0), counts.pop("kept", 0)
+        report.self_made[str(path)] = {"made": made, "kept": kept, "used": len(rows), "dropped": dict(counts),
+                                       "distinct_bigrams": distinct_bigrams([r["prompt"] for r in rows])}
+    return replace(src, source="jsonl", path=str(path))
+
+
+def made_sources(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path, report: DataReport,
+                 show_progress: bool = True):
+    """``data_cfg`` with each ``self_made`` source (itself, or a ``data.mixture`` component) made into a file
+    (:func:`made_source`), asked for the rows its share of training and validation reads."""
+    if data_cfg.mixture:
+        weights = [m.weight for m in data_cfg.mixture]
+        counts = [a + b for a, b in zip(_shares(data_cfg.num_train_prompts, weights),
+                                        _shares(data_cfg.num_val_prompts, weights))]
+        return replace(data_cfg, mixture=[made_source(m, n, target, tokenizer, model_id, cache_dir, report,
+                                                      show_progress) for m, n in zip(data_cfg.mixture, counts)])
+    return made_source(data_cfg, data_cfg.num_train_prompts + data_cfg.num_val_prompts, target, tokenizer, model_id,
+                       cache_dir, report, show_progress)
+
+
 def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path,
                         show_progress: bool = True, rank: int = 0, world_size: int = 1,
-                        barrier=lambda: None) -> tuple[list[dict], list[dict], DataReport]:
+                        barrier=lambda: None, held_out: list[str] = ()) -> tuple[list[dict], list[dict], DataReport]:
     """Training rows and held-out validation rows, answered by the target itself (``data.regenerate``) or
     as the dataset has them, and the data report.
 
@@ -139,7 +197,8 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     and the backend; a second run reads them back. With ``data.thinking_fraction`` the training and the
     validation conversations each get that share in thinking mode (:func:`with_thinking`, seeded by
     ``data.generation.seed``), rendered, answered and trained in it; the rows carry ``thinking`` and the report
-    counts them.
+    counts them. ``held_out``: the eval prompts' texts, which the training prompts are checked against
+    (:func:`near_eval`, in the report's ``near_eval``).
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, a thinking fraction outside [0, 1]
     or one for a template with no thinking switch, or no trainable token left; ``RuntimeError`` for more failed
     answers than ``data.max_failed_fraction`` allows (:func:`check_failed`).
@@ -149,7 +208,14 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     if data_cfg.thinking_fraction is not None:  # before any row is read
         check_thinking_switch(tokenizer, "data.thinking_fraction")
     report = DataReport()
+    if rank == 0:  # the target writes self-made prompts once; the other ranks read them from the cache
+        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, report, show_progress)
+    barrier()
+    if rank != 0:
+        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, DataReport(), False)
     train, val = split_chats(data_cfg, tokenizer, report)
+    if held_out:
+        report.near_eval = near_eval(train, held_out)
     seed = data_cfg.generation.seed
     train, val = (with_thinking(train, data_cfg.thinking_fraction, seed),
                   with_thinking(val, data_cfg.thinking_fraction, seed))

@@ -11,10 +11,12 @@ import gzip
 import hashlib
 import json
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Iterator
 
 from draftheads.choice import Choice
+from draftheads.data.self_made import SelfMade
 from draftheads.packaged import chitchat_conversations, package_file
 
 
@@ -116,6 +118,8 @@ class Source(Choice):
     humaneval = "humaneval"
     jsonl = "jsonl"
     hub = "hub"
+    self_made = "self_made"
+    """Written by the target itself (``self_made`` settings; :mod:`draftheads.data.self_made`)."""
 
 
 SOURCES = tuple(s.value for s in Source)
@@ -138,6 +142,9 @@ class PromptSource:
     field: str | None = None
     """jsonl/hub: the column holding the prompt (a string, or a list whose first item is used) or the chat
     (role/content or from/value turns); default: told by the row's format."""
+    self_made: SelfMade = dataclass_field(default_factory=SelfMade)
+    """self_made: how the target writes the prompts (topics, sampling, seed, filters); read with the target, which
+    a job holds (made into a cached JSONL file first, :func:`~draftheads.data.pipeline.made_source`)."""
 
 
 def builtin_prompts(source: str, part: str, limit: int) -> list[Prompt]:

@@ -15,7 +15,8 @@ PROMPT_LOOKUP = "prompt_lookup"
 """The model-free peer's report name (:func:`prompt_lookup_peer`)."""
 
 
-def load_eval_sets(eval_cfg, tokenizer=None, context_window: int | None = None) -> dict[str, list]:
+def load_eval_sets(eval_cfg, tokenizer=None, context_window: int | None = None,
+                   make: Callable | None = None) -> dict[str, list]:
     """Each eval set's held-out prompts by report name; a set with ``min_prompt_tokens`` counts them with the
     target's ``tokenizer`` (:func:`~draftheads.evaluation.evaluator.eval_prompts`). A set with ``thinking:
     both`` gives two entries, ``<name>[thinking]`` and ``<name>[no_thinking]``, the same prompts read in each
@@ -23,7 +24,8 @@ def load_eval_sets(eval_cfg, tokenizer=None, context_window: int | None = None) 
     enabled), an empty set, two sets of one name, ``max_new_tokens`` < 1, a long set or a thinking mode without
     a tokenizer, a thinking mode for a template with no thinking switch, a prompt that with ``max_new_tokens`` does
     not fit the target's ``context_window`` (tokens; None: not checked), and the source's own error (file, line,
-    field) for a malformed file."""
+    field) for a malformed file. ``make(set, count)``: the set with its prompts made where the target writes them
+    (a ``self_made`` set: :func:`~draftheads.data.pipeline.made_source`); without it such a set is refused."""
     if eval_cfg.max_new_tokens < 1:
         raise ValueError(f"eval.max_new_tokens={eval_cfg.max_new_tokens} must be >= 1")
     if eval_cfg.enabled and not eval_cfg.sets:
@@ -35,7 +37,8 @@ def load_eval_sets(eval_cfg, tokenizer=None, context_window: int | None = None) 
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"eval.sets: two sets report under one name {twice}: give each its own name")
-    sets = {name: eval_prompts(s, tokenizer, mode) for s, name, mode in modes}
+    made = {id(s): make(s, s.num_prompts) if make is not None else s for s in {id(s): s for s, _, _ in modes}.values()}
+    sets = {name: eval_prompts(made[id(s)], tokenizer, mode) for s, name, mode in modes}
     for name, prompts in sets.items():
         if not prompts:
             raise ValueError(f"eval set {name!r} has no prompts (num_prompts >= 1 and a non-empty source needed)")

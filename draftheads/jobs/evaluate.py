@@ -14,8 +14,8 @@ from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write
 from draftheads.evaluation.methods import load_eval_sets, unmeasured_peers
 from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
-from draftheads.models.target import context_window
-from draftheads.runs.life import evaluate_drafter
+from draftheads.models.target import context_window, model_identity
+from draftheads.runs.life import eval_set_maker, evaluate_drafter
 from draftheads.runs.output_dir import TARGET_FILE
 from draftheads.runs.preflight import vllm_serving
 from draftheads.runs.saved import load_peer_runs, open_run
@@ -52,7 +52,10 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
         peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target,
                                       conf.eval.unusable_peers)
         sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
-                                load_eval_sets(conf.eval, run.tokenizer, context_window(run.target)), peers)
+                                load_eval_sets(conf.eval, run.tokenizer, context_window(run.target),
+                                               eval_set_maker(run.target, run.tokenizer,
+                                                              model_identity(run.target, conf.model), conf.cache_dir)),
+                                peers)
         notes += unmeasured_peers(conf.eval, sets)
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():

@@ -24,6 +24,7 @@ from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from draftheads import drafters
+from draftheads.data.pipeline import made_source
 from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
 from draftheads.evaluation.methods import evaluate_methods, load_eval_sets, prompt_lookup_peer, unmeasured_peers
@@ -145,10 +146,12 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     try:
         with accelerator.main_process_first():  # rank 0 converts/downloads; the others then read its cache
             target, tokenizer, target_path = load_target(conf.model, conf.cache_dir)
-        eval_sets = load_eval_sets(conf.eval, tokenizer, context_window(target))  # counted in the target's tokens
         place(target, accelerator.device)
-        set_seed(conf.trainer.seed)  # building or converting an uncached target drew from the global RNG
         identity = model_identity(target, conf.model)
+        with accelerator.main_process_first():  # rank 0 writes a self-made set's prompts; the others read them
+            eval_sets = load_eval_sets(conf.eval, tokenizer, context_window(target),  # in the target's tokens
+                                       eval_set_maker(target, tokenizer, identity, conf.cache_dir))
+        set_seed(conf.trainer.seed)  # building or converting an uncached target, or self-made prompts, drew from it
         print0(accelerator, f"target: {target_path} ({identity['num_hidden_layers']} layers, "
                             f"hidden {identity['hidden_size']}, vocab {identity['vocab_size']})")
         apply_generation_defaults(conf, target.generation_config)
@@ -172,6 +175,12 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         raise
     return Job(conf, accelerator, out, eval_sets, target, tokenizer, target_path, identity, resume, precision, lock,
                finished, done)
+
+
+def eval_set_maker(target, tokenizer, identity: dict, cache_dir: str):
+    """``make(set, count)`` for :func:`~draftheads.evaluation.methods.load_eval_sets`: a ``self_made`` eval set's
+    prompts written by ``target`` (:func:`~draftheads.data.pipeline.made_source`)."""
+    return lambda src, count: made_source(src, count, target, tokenizer, identity, cache_dir, show_progress=False)
 
 
 def check_partial(conf: RunConfig) -> None:
@@ -224,8 +233,8 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
     The ledger (:mod:`draftheads.training.ledger`) is written as each step finishes, so a run a failed step
     stopped says which steps it finished; ``report["finished"]`` shows the same list to the reader. A resumed run
     whose ledger lists the save (stopped during its export or evaluation) does not validate or save again: its
-    saved drafter is read back and its report, written after the save, carried on; only the steps left run. Metrics are logged at
-    ``trained.step``, the last training step on the tracker's axis."""
+    saved drafter is read back and its report, written after the save, carried on; only the steps left run.
+    Metrics are logged at ``trained.step``, the last training step on the tracker's axis."""
     conf, out = job.conf, job.out
     saved = "save" in job.finished
     if saved:  # stopped after its save: the report written then holds the validation and what the save returned

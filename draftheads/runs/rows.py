@@ -31,10 +31,11 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = 
     """
     accelerator, conf = job.accelerator, job.conf
     # every rank reads the data and answers its share of what is not regenerated yet
+    held_out = [p.text for prompts in job.eval_sets.values() for p in prompts]  # never trained on: flagged if so
     train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
                                                        conf.cache_dir, accelerator.is_main_process,
                                                        accelerator.process_index, accelerator.num_processes,
-                                                       accelerator.wait_for_everyone)
+                                                       accelerator.wait_for_everyone, held_out)
     if unusable is not None:
         train_rows, val_rows = _usable(train_rows, unusable, report), _usable(val_rows, unusable, report)
     if not train_rows or not val_rows:
@@ -47,6 +48,9 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = 
     report.padding_fraction = padding_fraction(train_rows, conf.trainer.batch_size, conf.trainer.seed,
                                                packed=conf.trainer.tokens_per_batch is not None)
     print0(accelerator, f"data: {report.describe()}")
+    if report.near_eval.get("count"):
+        print0(accelerator, f"WARNING: {report.near_eval['count']} training prompts near-duplicate eval prompts "
+                            f"(the eval sets then measure rows trained on): {report.near_eval['examples']}")
     for reason, example in report.examples.items():
         print0(accelerator, f"  first {reason}: {example}")
     accelerator.log({f"data/{k}": v for k, v in data_scalars(report).items()}, step=0)

@@ -83,7 +83,7 @@ def test_every_registered_drafter_has_a_config_and_records_its_name():
     ("medusa", "data.train_on=first", "all, last"),
     ("medusa", "data.system=merge", "auto, keep, fold, drop"),
     ("medusa", "data.format=csv", "auto, messages, sharegpt, prompt, tokenized"),
-    ("medusa", "data.source=s3", "chitchat, humaneval, jsonl, hub"),
+    ("medusa", "data.source=s3", "chitchat, humaneval, jsonl, hub, self_made"),
     ("medusa", "model.dtype=int8", "float32, bfloat16, float16, auto"),
     ("medusa", "model.dtype=float8_e4m3fn", "float32, bfloat16, float16, auto"),  # a cache dtype, not a weights one
     ("dflash", "dflash.attention=xformers", "auto, flex, sdpa"),
