@@ -14,6 +14,7 @@ from draftheads.data.state_cache import (bytes_per_token, estimated_bytes, footp
 from draftheads.data.vllm_states import vllm_states
 from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.runs.life import close_job, open_job
+from draftheads.runs.output_dir import release
 from draftheads.runs.rows import job_rows, state_cache_dir, state_cache_spec
 from draftheads.training.config import TargetBackend
 from draftheads.training.runtime import print0
@@ -45,6 +46,15 @@ def cache_states(cfg: DictConfig) -> Path:
                          "model.partial=false for train/cache_hidden_states.py, or target_backend=vllm; training "
                          "may then read it partially)")
     job = open_job(cfg)
+    try:
+        return write_states(job, vllm)
+    finally:
+        release(job.lock)  # the output_dir's lock, held since the job opened
+
+
+def write_states(job, vllm: bool) -> Path:
+    """The body of :func:`cache_states` on an open job: the rows, the states (in process or by vLLM), the shards
+    and the manifest; returns the cache folder."""
     conf, accelerator, target = job.conf, job.accelerator, job.target
     if vllm and accelerator.num_processes > 1:
         raise ValueError("target_backend=vllm runs the target with vLLM's own parallelism: launch one process and set "

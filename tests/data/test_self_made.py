@@ -10,8 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from draftheads.data import self_made as sm
-from draftheads.data.batching import DataReport
-from draftheads.data.pipeline import made_source, near_eval, self_distilled_rows
+from draftheads.data.pipeline import near_eval, self_distilled_rows
 from draftheads.data.conversations import Chat
 from draftheads.models.target import TargetSpec, load_target
 from draftheads.models.tiny import FAMILIES
