@@ -10,8 +10,8 @@ Formats (``data.format``, ``auto`` tells them apart by their fields):
 
 Normalisation: roles become system/user/assistant (human/gpt/model/bot... mapped), empty turns are dropped,
 consecutive turns of one role are merged (joined by a blank line), a system prompt may only come first.
-Every rejected row raises :class:`BadRow` naming where it is (its 0-based row in the file or dataset, and a file's 1-based line), the field and
-a short ``reason`` the data report counts.
+Every rejected row raises :class:`BadRow` naming where it is (its 0-based row in the file or dataset, and a file's
+1-based line), the field and a short ``reason`` the data report counts.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ class Prompt:
 
 def row_location(source: str, row: int) -> str:
     """Where a row is, said one way in every message: ``f.jsonl row 4 (line 5)`` for a JSONL file (its 0-based row
-    and the 1-based line an editor shows; :func:`~draftheads.data.conversations.read_jsonl` reads one row per line), ``<dataset> row 4`` for a
-    dataset or a builtin source (0-based, as ``datasets`` indexes rows)."""
+    and the 1-based line an editor shows; :func:`~draftheads.data.conversations.read_jsonl` reads one row per line),
+    ``<dataset> row 4`` for a dataset or a builtin source (0-based, as ``datasets`` indexes rows)."""
     return f"{source} row {row}" + (f" (line {row + 1})" if str(source).endswith(".jsonl") else "")
 
 

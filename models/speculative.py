@@ -268,7 +268,8 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     states, features = target_step(target, prompt_ids, cache, layer_ids)
     hidden, committed = states[-1], prompt_ids
     x0 = _select(lm_head(hidden).cpu(), sampling, generator)
-    result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma, prefill_seconds=time.perf_counter() - start)
+    result = DecodeResult(tokens=[], target_forwards=1, gamma=drafter.gamma,
+                          prefill_seconds=time.perf_counter() - start)
     result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
     while not done:
         t = time.perf_counter()
@@ -312,7 +313,8 @@ def prompt_lookup_decode(target: PreTrainedModel, prompt_ids: torch.Tensor, max_
     keeping drafts while they equal the draws (q one-hot), which is lossless. generate draws from torch's
     global RNG, so it is seeded from ``generator`` for reproducible runs.
     Target forwards are counted with a forward hook (generate does not expose per-step acceptance). The
-    target's own ``generation_config`` decoding defaults are kept out (:func:`~draftheads.models.decoding.explicit_generation`).
+    target's own ``generation_config`` decoding defaults are kept out
+    (:func:`~draftheads.models.decoding.explicit_generation`).
     """
     forwards = []
     knobs = {"do_sample": False}

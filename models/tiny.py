@@ -20,7 +20,8 @@ CHAT_TEMPLATES = Path(__file__).resolve().with_name("chat_templates")
 
 # ChatML, as SmolLM2 and Qwen use it; the tiny Llama's.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 

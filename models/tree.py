@@ -141,7 +141,8 @@ def _keep_path(cache: DynamicCache, past: int, nodes: list[int]) -> None:
     """Drop every tree node from the cache but ``nodes`` (root and accepted path, in order)."""
     index = torch.tensor(nodes) + past
     for layer in cache.layers:
-        layer.keys = torch.cat([layer.keys[..., :past, :], layer.keys.index_select(-2, index.to(layer.keys.device))], -2)
+        layer.keys = torch.cat([layer.keys[..., :past, :],
+                                layer.keys.index_select(-2, index.to(layer.keys.device))], -2)
         layer.values = torch.cat([layer.values[..., :past, :],
                                   layer.values.index_select(-2, index.to(layer.values.device))], -2)
 
@@ -203,11 +204,13 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     cache = new_cache()
     hidden = target_step(target, prompt_ids, cache)[0][-1]
     x0 = int(lm_head(hidden).argmax())
-    result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth), prefill_seconds=time.perf_counter() - start)
+    result = DecodeResult(tokens=[], target_forwards=1, gamma=max(tree.depth),
+                          prefill_seconds=time.perf_counter() - start)
     result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
     while not done:
         t = time.perf_counter()
-        top = drafter.draft_logits(hidden, x0, None, None).float().topk(tree.max_rank, dim=-1).indices.cpu()  # [gamma, k]
+        top = (drafter.draft_logits(hidden, x0, None, None).float()
+               .topk(tree.max_rank, dim=-1).indices.cpu())  # [gamma, k]
         tokens = torch.cat([torch.tensor([x0]), top[rows, ranks]])
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t

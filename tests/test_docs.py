@@ -34,3 +34,14 @@ def test_every_commit_the_docs_cite_is_in_the_history():
     assert cited, "the docs stamp their measurements with commits"
     missing = {c: where for c, where in cited.items() if git("cat-file", "-e", f"{c}^{{commit}}").returncode != 0}
     assert not missing, f"commits cited in the docs that are not in the history: {missing}"
+
+
+def test_docs_extending_names_only_what_the_recipe_has():
+    """docs/extending.md's paragraph on the ``Recipe`` names its attributes and methods in backticks: each must be
+    one the class declares (issue 54: it named a hook, ``attach_states``, that no longer existed)."""
+    from draftheads.training.recipe import FeatureRecipe, Recipe
+    text = (ROOT / "docs" / "extending.md").read_text()
+    paragraph = text[text.index("The `Recipe` says"):text.index("Each method's contract")]
+    names = set(re.findall(r"`([a-z_]+)`", paragraph))
+    declared = {n for cls in (Recipe, FeatureRecipe) for n in (*vars(cls), *getattr(cls, "__annotations__", {}))}
+    assert names and not names - declared, f"docs/extending.md names what the Recipe does not have: {names - declared}"

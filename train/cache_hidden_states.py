@@ -1,8 +1,8 @@
 """Write the target's states for a training job's rows to disk once; training then reads them
 (``data.target_states=disk``) instead of running the target at the start of every run.
 
-    accelerate launch train/cache_hidden_states.py                              # the Medusa job's rows (last hidden states)
-    accelerate launch train/cache_hidden_states.py --config-name dflash         # DFlash: outputs of its K target layers
+    accelerate launch train/cache_hidden_states.py                          # the Medusa job's rows (last hidden states)
+    accelerate launch train/cache_hidden_states.py --config-name dflash     # DFlash: outputs of its K target layers
     accelerate launch --multi_gpu --num_processes 8 train/cache_hidden_states.py data=ultrachat \
         data.target_states_dir=/scratch/hs data.target_states_dtype=bfloat16
     accelerate launch train/medusa.py data=ultrachat data.target_states=disk data.target_states_dir=/scratch/hs

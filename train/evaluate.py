@@ -5,7 +5,8 @@
     python train/evaluate.py run_dir=runs/medusa 'eval.peers=[medusa_tree]' tree.choices='[[0],[0,0],[1]]'
     python train/evaluate.py runs/dflash eval.temperatures=[0.7] dflash.denoise_steps=8
     python train/evaluate.py runs/medusa backend=vllm vllm_venv=/opt/vllm     # measured in vLLM, target not loaded
-    python train/evaluate.py runs/medusa 'eval.sets=[{name: gsm8k, source: hub, path: openai/gsm8k, subset: main, split: test, num_prompts: 50}]'
+    python train/evaluate.py runs/medusa \
+        'eval.sets=[{name: gsm8k, source: hub, path: openai/gsm8k, subset: main, split: test, num_prompts: 50}]'
 
 ``run_dir`` (or the first argument) is the run; ``weights`` an export folder to measure instead of the run's
 own (``export/vllm``, ``export/tgi``: read back by their strict loaders; a DFlash run is measured from

@@ -65,8 +65,8 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     report["eval"] = {**report.get("eval", {}), **sets}
     report["notes"], report["peer_runs"] = NOTES, notes
     report.setdefault("evaluations", []).append({
-        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source, "overrides": list(overrides),
-        "backend": backend, "sets": sorted(sets), "peer_runs": notes,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "drafter": source,
+        "overrides": list(overrides), "backend": backend, "sets": sorted(sets), "peer_runs": notes,
         "eval": json.loads(json.dumps(asdict(conf.eval), default=str)), "hardware": hardware(),
         "dtype": conf.model.dtype})
     print(format_table(sets))
@@ -85,8 +85,8 @@ def check_writable_report(run_dir: Path) -> None:
             pass
         probe.unlink()
     except OSError as e:
-        raise PermissionError(e.errno, f"{run_dir} cannot take this evaluation's report ({probe}: {e.strerror}): copy the "
-                                       f"run somewhere writable and evaluate the copy") from e
+        raise PermissionError(e.errno, f"{run_dir} cannot take this evaluation's report ({probe}: {e.strerror}): "
+                                       f"copy the run somewhere writable and evaluate the copy") from e
 
 
 def vllm_sets(run, conf, vllm_venv: str | None) -> dict:

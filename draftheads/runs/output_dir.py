@@ -58,9 +58,10 @@ def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None
     ``FileExistsError`` naming the choices (``resume=true`` for a ``resumable`` job, ``overwrite=true``, another
     output_dir), before any work. With ``overwrite`` and ``delete`` (the main process, once) the old run's files
     (:data:`RUN_ENTRIES`, and ``saved``: what the job's drafter saves there) are deleted but the state cache at
-    ``keep`` (the one this job reads or writes), so nothing of the old run is left beside this one's. A folder holding a run and files no run writes
-    (output_dir=. or $HOME by mistake) is refused with ``FileExistsError`` naming them, nothing in it deleted.
-    A folder holding no run (a state cache build, a run that failed before training) is taken as it is."""
+    ``keep`` (the one this job reads or writes), so nothing of the old run is left beside this one's. A folder
+    holding a run and files no run writes (output_dir=. or $HOME by mistake) is refused with ``FileExistsError``
+    naming them, nothing in it deleted. A folder holding no run (a state cache build, a run that failed before
+    training) is taken as it is."""
     marks = run_marks(out)
     if not marks:
         strays = foreign_entries(out, RUN_ENTRIES + tuple(saved), keep, runless=True)

@@ -168,7 +168,8 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
                 conf = run_config(folder, recipe)
                 spec = recipe.target_of(folder, conf)
                 path = resolve_target_path(spec, conf.cache_dir)
-                target = host_target if path == host_path else load_target(spec, conf.cache_dir)[0].to(host_target.device)
+                target = (host_target if path == host_path
+                          else load_target(spec, conf.cache_dir)[0].to(host_target.device))
                 peers.append(PeerRun(folder, recipe, conf, recipe.load(folder, conf, target), target))
                 notes.append(f"{folder}: {recipe.name}, measured" + ("" if target is host_target else f" on its own "
                                                                       f"target {path}, the one it is served with"))

@@ -398,7 +398,8 @@ class VllmEngineConfig:
 
     def engine(self) -> dict[str, Any]:
         """The ``LLM`` arguments: the parallel sizes and ``engine_args``."""
-        return {"tensor_parallel_size": self.tensor_parallel_size, "pipeline_parallel_size": self.pipeline_parallel_size,
+        return {"tensor_parallel_size": self.tensor_parallel_size,
+                "pipeline_parallel_size": self.pipeline_parallel_size,
                 "data_parallel_size": self.data_parallel_size, **self.engine_args}
 
 

@@ -88,7 +88,8 @@ def _missing(recipe, key: str, path: Path) -> str:
     """What to say of an ``init_from`` that is not there: the job that writes it (a base drafter's, by its
     default output_dir), or how to start from random weights."""
     makers = " or ".join(f"train/{r.name}.py" for r in (recipe, *recipe.bases) if Path(path).name == r.name)
-    first = f"run {makers} first (it writes {path}), or " if makers else "give a finished run's or an export folder, or "
+    first = (f"run {makers} first (it writes {path}), or " if makers
+             else "give a finished run's or an export folder, or ")
     return f"{key}={path}: no such folder: {first}set {key}=null to train from random weights"
 
 

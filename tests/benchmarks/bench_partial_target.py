@@ -48,7 +48,8 @@ def main(targets: list[str]) -> None:
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
             print(f"{target[-48:]:<48} {mode:<8} {r['seconds']:>7.2f} {r['params_held']:>12,} "
-                  f"{r['total_params']:>12,} {r['bytes_held'] / 2**20:>9.1f} {r['peak_rss_over_imports'] / 2**20:>9.1f}")
+                  f"{r['total_params']:>12,} {r['bytes_held'] / 2**20:>9.1f} "
+                  f"{r['peak_rss_over_imports'] / 2**20:>9.1f}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ step costs in it beside float32: one 1024-token chunk of SmolLM2's LM head (1024
 the best of three after a warm-up. A precision that would be emulated is not timed (tens of seconds a product).
 
     python tests/benchmarks/bench_precision.py
-    ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 python tests/benchmarks/bench_precision.py
+    ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 \
+        python tests/benchmarks/bench_precision.py
 
 CI runs the second line (an ordinary CPU's paths on any x86 CPU, docs/scale-out.md) and prints its timing line.
 """

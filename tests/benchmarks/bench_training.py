@@ -20,7 +20,8 @@ tokens), after the first logging window; model TFLOP/s per process (matrix-produ
 micro-batch counted by torch's FlopCounterMode, attention scores excluded, times attended tokens/s); on a GPU,
 MFU against the bf16 matrix rate measured here (an 8192^3 product); each job's peak memory (:class:`PeakMemory`:
 the GPU allocator's peak, or on the CPU the process's peak resident memory: every job runs in a process of its
-own); and each job's wall time (data, target states and training). A last line ``RESULTS <json>`` carries the same numbers for scripts.
+own); and each job's wall time (data, target states and training). A last line ``RESULTS <json>`` carries the
+same numbers for scripts.
 """
 
 from __future__ import annotations

@@ -407,7 +407,8 @@ def test_epoch_batches_deterministic_complete_and_length_grouped():
 
 def _rows_of_lengths(n: int, seed: int = 0, longest: int = 60) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    return [{"input_ids": torch.randint(0, 9, (int(t),), generator=g), "loss_mask": torch.rand(int(t), generator=g) > .5,
+    return [{"input_ids": torch.randint(0, 9, (int(t),), generator=g),
+             "loss_mask": torch.rand(int(t), generator=g) > .5,
              "hidden_states": torch.randn(int(t), 3, generator=g), "row": i}
             for i, t in enumerate(torch.randint(1, longest, (n,), generator=g))]
 

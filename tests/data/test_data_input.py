@@ -45,7 +45,8 @@ BAD = {  # reason -> the line that must be skipped for it
     "assistant_first": json.dumps({"messages": [{"role": "assistant", "content": "Welcome!"},
                                                 {"role": "user", "content": "Thanks."},
                                                 {"role": "assistant", "content": "Anytime."}]}).encode(),
-    "bad_unfinished": json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}],
+    "bad_unfinished": json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Yo"}],
                                   "unfinished": [0]}).encode(),  # a user turn cannot be an unfinished answer
     "failed_regeneration": json.dumps({"messages": [{"role": "user", "content": "Hi"}],
                                        "error": "turn 0: APITimeoutError"}).encode(),
@@ -106,11 +107,13 @@ def test_strict_mode_fails_on_the_first_bad_row_naming_file_line_and_field(tmp_p
     path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps(GOOD[0]).encode(), BAD[reason]])
     with pytest.raises(BadRow) as err:
         load_chats(PromptSource("jsonl", str(path)), "train", 10, strict=True)
-    assert str(err.value).startswith(f"{path} row 1 (line 2): field {EXPECTED_FIELD[reason]!r}") and err.value.reason == reason
+    assert (str(err.value).startswith(f"{path} row 1 (line 2): field {EXPECTED_FIELD[reason]!r}")
+            and err.value.reason == reason)
 
 
 @pytest.mark.parametrize("row, field", [
-    ({"messages": [{"role": "user", "content": "an emoji cut in half: \ud83d"}, {"role": "assistant", "content": "ok"}]},
+    ({"messages": [{"role": "user", "content": "an emoji cut in half: \ud83d"},
+                   {"role": "assistant", "content": "ok"}]},
      "messages[0].content"),
     ({"prompt": "half an emoji \ud83d here"}, "prompt"),
 ])
@@ -201,7 +204,8 @@ def test_server_backend_answers_turn_by_turn_retries_and_reports_failures(server
     backend = OpenAIBackend(server, "m", GenerationSettings(), concurrency=4, max_retries=1)
     two_turns = {"messages": [{"role": "user", "content": "one"}, {"role": "assistant", "content": "dataset's"},
                               {"role": "user", "content": "two"}]}
-    rows = [two_turns, {"prompt": "flaky"}, {"prompt": "broken"}, {"prompt": "a prompt that is longer than forty characters"}]
+    rows = [two_turns, {"prompt": "flaky"}, {"prompt": "broken"},
+            {"prompt": "a prompt that is longer than forty characters"}]
     path = write_jsonl(tmp_path / "chats.jsonl", [json.dumps(r).encode() for r in rows])
     chats = load_chats(PromptSource("jsonl", str(path)), "train", 10)
     results = answer_turns(backend, chats)
@@ -217,7 +221,8 @@ def test_server_backend_sends_every_sampling_field_a_server_could_take_from_gene
     """vLLM's default --generation-config auto fills every sampling field a request leaves out from the model's
     generation_config.json (a repetition_penalty, top_k): each is sent, so the server decodes as configured."""
     settings = GenerationSettings(temperature=0.7, top_k=20, top_p=0.9, max_new_tokens=5, seed=3)
-    answer_turns(OpenAIBackend(server, "m", settings, max_retries=0), [Chat("t", 0, ({"role": "user", "content": "x"},))])
+    answer_turns(OpenAIBackend(server, "m", settings, max_retries=0),
+                 [Chat("t", 0, ({"role": "user", "content": "x"},))])
     sent = {k: FakeServer.last_body.get(k) for k in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
                                                      "presence_penalty", "frequency_penalty", "max_tokens", "seed")}
     assert sent == {"temperature": 0.7, "top_k": 20, "top_p": 0.9, "min_p": 0.0, "repetition_penalty": 1.0,

@@ -179,8 +179,8 @@ def test_a_job_trained_on_a_mix_reports_acceptance_per_mode(qwen3, tmp_path, cac
     measures the eval set once per mode, each with tau and per-position acceptance, and the table shows both."""
     report = train("medusa", smoke("medusa", tmp_path / "run", cache_dir, "model.name_or_path=tiny://qwen3",
                                    "data.thinking_fraction=0.5", "data.num_train_prompts=16", "data.num_val_prompts=4",
-                                   "data.generation.max_new_tokens=16", "stage2.enabled=false", "eval.max_new_tokens=12",
-                                   "eval.peers=[]", "eval.prompt_lookup_tokens=0",
+                                   "data.generation.max_new_tokens=16", "stage2.enabled=false",
+                                   "eval.max_new_tokens=12", "eval.peers=[]", "eval.prompt_lookup_tokens=0",
                                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1, thinking: both}]"))
     modes = report["data"]["thinking_modes"]  # 10 rows of each mode made, less those too long (skipped)
     assert modes.keys() == {"thinking", "no_thinking"} and min(modes.values()) >= 5

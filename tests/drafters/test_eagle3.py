@@ -59,7 +59,8 @@ def test_the_default_layers_are_left_unnamed_so_vllm_and_sglang_read_the_same_on
     default = draft_config(target, [1, 14, 26], 100)
     assert default.eagle_config == {"use_aux_hidden_state": True} and layer_ids_of(default) == (1, 14, 26)
     custom = draft_config(target, [2, 14, 26], 100)
-    assert custom.eagle_config["eagle_aux_hidden_state_layer_ids"] == [3, 15, 27] and layer_ids_of(custom) == (2, 14, 26)
+    assert (custom.eagle_config["eagle_aux_hidden_state_layer_ids"] == [3, 15, 27]
+            and layer_ids_of(custom) == (2, 14, 26))
 
 
 def test_exported_layer_ids_are_vllms_inputs_of_the_next_layer(tiny, drafter, tmp_path):

@@ -162,12 +162,13 @@ def test_a_mismatch_stops_the_job_before_its_rows_and_target_states(tmp_path, ca
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
 def test_vllm_reads_a_correct_eagle3_export_as_meant_and_catches_a_wrong_one(tmp_path, cache_dir, monkeypatch):
-    """Real vLLM on the tiny target: the job's untrained EAGLE-3.1 export (``norm_before_residual`` on) passes (report.json says so, with its
-    seconds); an exporter that writes draftheads' layer ids (vLLM's less one) and an ``eagle_config`` flag that
-    vLLM reads before the top-level one is caught, naming both keys, before any row or target state."""
+    """Real vLLM on the tiny target: the job's untrained EAGLE-3.1 export (``norm_before_residual`` on) passes
+    (report.json says so, with its seconds); an exporter that writes draftheads' layer ids (vLLM's less one) and an
+    ``eagle_config`` flag that vLLM reads before the top-level one is caught, naming both keys, before any row or
+    target state."""
     own = [*VLLM_TINY, "eagle3.target_layer_ids=[1,2,3]", "eagle3.norm_before_fc=true", "eagle3.fc_norm=true",
-           "eagle3.norm_before_residual=true", "eagle3.draft_vocab_size=256", "eagle3.gamma=3", "serving.preflight=on", f"vllm.venv={VLLM_VENV}",
-           "eval.enabled=false", "train.max_steps=2", "eagle3.ttt_steps=2"]
+           "eagle3.norm_before_residual=true", "eagle3.draft_vocab_size=256", "eagle3.gamma=3", "serving.preflight=on",
+           f"vllm.venv={VLLM_VENV}", "eval.enabled=false", "train.max_steps=2", "eagle3.ttt_steps=2"]
     right = eagle3_export.server_config
 
     def wrong(model):

@@ -16,8 +16,8 @@ def tokenized(path, rows: list[tuple[int, int]]):
     lines = [json.dumps({"input_ids": [(7 * i + 3 * t) % 500 + 4 for t in range(n)],
                          "loss_mask": [0] * (n - k) + [1] * k}) for i, (n, k) in enumerate(rows)]
     path.write_text("\n".join(lines) + "\n")
-    return ["data.source=jsonl", f"data.path={path}", "data.regenerate=false", f"data.num_train_prompts={len(rows) - 1}",
-            "data.num_val_prompts=1", "eval.enabled=false"]
+    return ["data.source=jsonl", f"data.path={path}", "data.regenerate=false",
+            f"data.num_train_prompts={len(rows) - 1}", "data.num_val_prompts=1", "eval.enabled=false"]
 
 
 def test_a_validation_share_emptied_by_skipped_rows_fails_before_training(tmp_path, cache_dir):

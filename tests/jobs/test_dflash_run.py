@@ -113,7 +113,8 @@ def test_peer_runs_that_do_not_fit_fail_the_evaluation_or_are_skipped_when_asked
         peers, notes = load_peer_runs([str(medusa_run), str(medusa_run / "nothing")], other, host, model, "skip")
         assert peers == [] and len(notes) == 2 and "skipped (made for another target" in notes[0]
         assert "skipped" in notes[1] and "target.json" in notes[1]
-    (medusa_run / "target.json").write_text(json.dumps({k: v for k, v in record.items() if k != "weights_sample_sha256"}))
+    (medusa_run / "target.json").write_text(json.dumps({k: v for k, v in record.items()
+                                                        if k != "weights_sample_sha256"}))
     try:
         peers, (note,) = load_peer_runs([str(medusa_run)], record, host, model, "skip")
         assert peers == [] and "lacks ['weights_sample_sha256']: made by an older draftheads" in note

@@ -33,7 +33,8 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     """Drafters train in float32 beside a bf16 target, then are validated, evaluated and exported in the
     target's dtype, as a server runs them (float32 drafters met bf16 target states in validation before)."""
     report = train(job, smoke(job, tmp_path, cache_dir, "model.dtype=bfloat16", "eval.max_new_tokens=8",
-                              "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]", *drafters.get(job).short))
+                              "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]",
+                              *drafters.get(job).short))
     assert report["dtype"] == "bfloat16" and report["drafter"] == job
     assert report["validation"] and all(math.isfinite(v) for v in report["validation"].values())
     assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0

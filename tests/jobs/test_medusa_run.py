@@ -191,8 +191,9 @@ def test_trackers_record_the_run(tmp_path, cache_dir, monkeypatch, tracker):
     W&B run, no old TensorBoard events beside its own)."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / tracker
-    short = [f"tracker={tracker}", "stage2.enabled=false", "export=false", "eval.max_new_tokens=4", "tree.enabled=false",
-             "eval.prompt_lookup_tokens=0", "eval.sets=[{name: c, source: chitchat, num_prompts: 1}]"]
+    short = [f"tracker={tracker}", "stage2.enabled=false", "export=false", "eval.max_new_tokens=4",
+             "tree.enabled=false", "eval.prompt_lookup_tokens=0",
+             "eval.sets=[{name: c, source: chitchat, num_prompts: 1}]"]
     run(smoke_cfg(out, cache_dir, *short, "stage1.max_steps=2"))
     old = set(out.rglob("offline-run-*/*.wandb" if tracker == "wandb" else "events.out.tfevents.*"))
     run(smoke_cfg(out, cache_dir, *short, "overwrite=true"))
@@ -200,7 +201,8 @@ def test_trackers_record_the_run(tmp_path, cache_dir, monkeypatch, tracker):
     if tracker == "wandb":
         run_id = (out / "wandb_run_id").read_text().strip()
         logs = list((out / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
-        assert logs and b"stage1/loss" in logs[0].read_bytes() and b"eval/c/medusa_chain/speedup" in logs[0].read_bytes()
+        assert (logs and b"stage1/loss" in logs[0].read_bytes()
+                and b"eval/c/medusa_chain/speedup" in logs[0].read_bytes())
         assert list(logs[0].parent.rglob("media/images/eval/acceptance_*.png"))  # the plot, as W&B stores images
     else:
         events = list((out / "logs").rglob("events.out.tfevents.*"))

@@ -1,6 +1,6 @@
 """A partial target (``model.partial=true``): the input embedding, final norm and LM head only (and the last N
-layers Medusa's stage 2 trains), read from the checkpoint; runs trained from the state cache with it never load the whole target, and train exactly
-what the whole target trains."""
+layers Medusa's stage 2 trains), read from the checkpoint; runs trained from the state cache with it never load the
+whole target, and train exactly what the whole target trains."""
 
 import json
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftheads.models.speculative import (Proposal, Sampling, accept_chain, plain_decode, prompt_lookup_decode, propose,
-                                           speculative_decode)
+from draftheads.models.speculative import (Proposal, Sampling, accept_chain, plain_decode, prompt_lookup_decode,
+                                           propose, speculative_decode)
 from tests.helpers import StubDrafter, chi2_rejects
 from tests.helpers import exact_joint as _exact_joint
 from tests.helpers import pair_counts as _pair_counts

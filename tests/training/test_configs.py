@@ -69,7 +69,8 @@ def test_overrides_from_the_command_line():
 def test_every_registered_drafter_has_a_config_and_records_its_name():
     for name in DRAFTERS:
         assert to_schema(_compose(job=name)).drafter == name
-    with pytest.raises(ValueError, match=re.escape(f"unknown drafter 'eagle'; registered drafters: {sorted(DRAFTERS)}")):
+    with pytest.raises(ValueError,
+                       match=re.escape(f"unknown drafter 'eagle'; registered drafters: {sorted(DRAFTERS)}")):
         get("eagle")
 
 
@@ -144,7 +145,8 @@ def test_wrong_type_is_an_error():
 
 
 def test_hf_model_requires_a_name():
-    with pytest.raises(MissingMandatoryValue, match=r"missing mandatory value: name_or_path\s+full_key: model\.name_or_path"):
+    with pytest.raises(MissingMandatoryValue,
+                       match=r"missing mandatory value: name_or_path\s+full_key: model\.name_or_path"):
         to_schema(_compose("model=hf"))
 
 
@@ -178,7 +180,8 @@ def test_the_presets_are_found():
 def job_of(group: str) -> str:
     """The job a group's presets are composed into: the main job, unless only another job's defaults list names
     the group (DSpark's warm start)."""
-    uses = [job for job in sorted(JOBS) if re.search(rf"^  - (optional )?{group}:", (CONF / f"{job}.yaml").read_text(), re.M)]
+    uses = [job for job in sorted(JOBS)
+            if re.search(rf"^  - (optional )?{group}:", (CONF / f"{job}.yaml").read_text(), re.M)]
     assert uses, f"conf/{group}/ is in no job's defaults list"
     return "medusa" if "medusa" in uses else uses[0]
 

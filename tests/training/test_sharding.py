@@ -158,9 +158,9 @@ def ddp_bf16(tmp_path_factory, cache_dir):
 
 @pytest.mark.parametrize("engine", ["fsdp", pytest.param("zero2", marks=NEEDS_DEEPSPEED)])
 def test_bf16_training_keeps_float32_weights_under_every_engine(engine, ddp_bf16, tmp_path, cache_dir):
-    """With trainer.mixed_precision=bf16 (what auto settles to on a GPU) the engines compute in bf16 but keep, reduce and hand back
-    float32: the heads saved are not bf16-rounded (DeepSpeed's float32 master weights, not its bf16 copies), the
-    logged losses are not bf16 values (FSDP2 returns the loss in float32), and both stay close to DDP's."""
+    """With trainer.mixed_precision=bf16 (what auto settles to on a GPU) the engines compute in bf16 but keep, reduce
+    and hand back float32: the heads saved are not bf16-rounded (DeepSpeed's float32 master weights, not its bf16
+    copies), the logged losses are not bf16 values (FSDP2 returns the loss in float32), and both stay close to DDP's."""
     ref_out, ref = ddp_bf16
     report = launch("medusa", tmp_path / engine, cache_dir, *BF16, engine=engine)
     heads = weights(tmp_path / engine / "medusa_heads")

@@ -8,9 +8,9 @@ Layout (checked against vLLM's ``qwen3_dflash.py``/``dflash.py``, SGLang's ``mod
   ``num_target_layers``, ``dflash_config: {mask_token_id, target_layer_ids}`` and the decoder fields
   (``num_hidden_layers`` = draft depth, ``vocab_size`` = the target's).
 - ``model.safetensors``: ``fc.weight`` ``[D, K*D]``, ``hidden_norm.weight``, ``norm.weight``,
-  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``, ``layers.{i}.mlp.{gate,up,down}_proj
-  .weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``; no ``model.`` prefix (vLLM adds one), no
-  embedding or LM head (both servers then share the target's).
+  ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``,
+  ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``; no
+  ``model.`` prefix (vLLM adds one), no embedding or LM head (both servers then share the target's).
 
 SGLang skips unknown weight names silently, so names and shapes are checked here on write and on load;
 errors name the file and the tensor.
@@ -31,7 +31,7 @@ WEIGHTS = "model.safetensors"
 
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the layout and its shape, from a draft config."""
-    D, I = config.hidden_size, config.intermediate_size
+    D, Di = config.hidden_size, config.intermediate_size
     hd = getattr(config, "head_dim", None) or D // config.num_attention_heads
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     K = len(config.dflash_config["target_layer_ids"])
@@ -40,8 +40,8 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes |= {p + "self_attn.q_proj.weight": (H * hd, D), p + "self_attn.k_proj.weight": (Hkv * hd, D),
                    p + "self_attn.v_proj.weight": (Hkv * hd, D), p + "self_attn.o_proj.weight": (D, H * hd),
-                   p + "mlp.gate_proj.weight": (I, D), p + "mlp.up_proj.weight": (I, D),
-                   p + "mlp.down_proj.weight": (D, I),
+                   p + "mlp.gate_proj.weight": (Di, D), p + "mlp.up_proj.weight": (Di, D),
+                   p + "mlp.down_proj.weight": (D, Di),
                    p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
     return shapes

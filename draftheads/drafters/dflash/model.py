@@ -11,8 +11,9 @@ authors' ``z-lab/dflash`` load it.
   ``k_norm`` and RoPE at their absolute positions); no ``input_layernorm`` on them. Queries come from the
   block only.
 - Block of S = block_size tokens at positions ``a..a+S-1`` (B stays the batch size): position 0 holds the last
-  verified token (the anchor a), 1..S-1 the mask token. Attention inside a block is bidirectional; a block sees context strictly before its anchor.
-  Output: ``norm`` then the target's LM head; positions 1..S-1 propose tokens ``a+1..a+S-1``.
+  verified token (the anchor a), 1..S-1 the mask token. Attention inside a block is bidirectional; a block sees
+  context strictly before its anchor. Output: ``norm`` then the target's LM head; positions 1..S-1 propose tokens
+  ``a+1..a+S-1``.
 - Token embedding and LM head are the target's, frozen and never saved. The embedding is the raw table
   lookup: vLLM shares the target's ``embed_tokens`` module with the drafter, and a family that scales its
   embeddings (Gemma: ``sqrt(D)``) does so outside that module (vLLM ``gemma3.py``: ``embed_input_ids``), so the

@@ -44,7 +44,7 @@ WEIGHTS = "model.safetensors"
 def expected_shapes(config) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the layout and its shape, from a draft config (its EAGLE-3.1 flags included:
     :func:`~draftheads.drafters.eagle3.model.norm_flags`, whose ``ValueError`` it raises)."""
-    D, I, hd = config.hidden_size, config.intermediate_size, config.head_dim
+    D, Di, hd = config.hidden_size, config.intermediate_size, config.head_dim
     H, Hkv = config.num_attention_heads, config.num_key_value_heads
     V, Vd = config.vocab_size, config.draft_vocab_size
     K = len(layer_ids_of(config))
@@ -54,7 +54,8 @@ def expected_shapes(config) -> dict[str, tuple[int, ...]]:
               m + "post_attention_layernorm.weight": (D,),
               m + "self_attn.q_proj.weight": (H * hd, 2 * D), m + "self_attn.k_proj.weight": (Hkv * hd, 2 * D),
               m + "self_attn.v_proj.weight": (Hkv * hd, 2 * D), m + "self_attn.o_proj.weight": (D, H * hd),
-              m + "mlp.gate_proj.weight": (I, D), m + "mlp.up_proj.weight": (I, D), m + "mlp.down_proj.weight": (D, I)}
+              m + "mlp.gate_proj.weight": (Di, D), m + "mlp.up_proj.weight": (Di, D),
+              m + "mlp.down_proj.weight": (D, Di)}
     if Vd != V:
         shapes |= {"d2t": (Vd,), "t2d": (V,)}
     flags, Dt = norm_flags(config), config.target_hidden_size

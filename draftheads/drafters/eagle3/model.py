@@ -251,7 +251,8 @@ class Eagle3DraftModel(nn.Module):
     def set_vocabulary(self, vocabulary: torch.Tensor) -> None:
         """``d2t`` and ``t2d`` for ``[V_draft]`` sorted, distinct target ids. Raises ``ValueError`` otherwise."""
         ids = vocabulary.to(self.d2t.device, torch.long)
-        if len(ids) != len(self.d2t) or not bool((ids[1:] > ids[:-1]).all()) or not 0 <= int(ids[0]) <= int(ids[-1]) < len(self.t2d):
+        if (len(ids) != len(self.d2t) or not bool((ids[1:] > ids[:-1]).all())
+                or not 0 <= int(ids[0]) <= int(ids[-1]) < len(self.t2d)):
             raise ValueError(f"a draft vocabulary is {len(self.d2t)} sorted, distinct ids in 0..{len(self.t2d) - 1}")
         self.d2t.copy_(ids - torch.arange(len(ids), device=ids.device))
         self.t2d.zero_()
@@ -324,7 +325,8 @@ class Eagle3DraftModel(nn.Module):
     # --- decoding: rows appended to a KV cache -----------------------------------------------------------
 
     def extend(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               past: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+               past: tuple[torch.Tensor, torch.Tensor] | None
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """n new rows of one sequence (``[n]`` next-token ids, ``[n, D]`` hidden states, ``[n]`` positions), each
         attending to the cached rows ``past`` (``(k, v)`` ``[1, H_kv, P, hd]``) and to the new rows up to itself.
         Returns ``[n, D]`` hidden states before ``norm`` and the cache with the new rows (a draft step is fed

@@ -1,6 +1,7 @@
 """EAGLE-3 training as a spine strategy (arXiv 2503.01840, section 3.2): the drafter unrolled ``ttt_steps`` steps
 over whole sequences of the target's three-layer features (cached or computed per batch), its objective at every
-step (:mod:`draftheads.training.objectives`). Only the drafter is registered (what DDP wraps and checkpoints save); the target is held outside registration.
+step (:mod:`draftheads.training.objectives`). Only the drafter is registered (what DDP wraps and checkpoints save);
+the target is held outside registration.
 """
 
 from __future__ import annotations

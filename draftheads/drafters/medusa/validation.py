@@ -32,9 +32,10 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_
 
     Returns:
         ``val/head{k}_top1|top5|loss`` (and ``val/head{k}_overlap`` under a distillation objective: the mean
-        ``sum_v min(p_v, q_v)`` against the original target at ``loss_temperature``) and ``drift/kl_to_original``, ``drift/greedy_agreement``,
-        ``drift/ppl_original``, ``drift/ppl_trained``, ``drift/ppl_change`` (ratio - 1); and ``[K][10]``
-        rank accuracies: how often head k's rank-r candidate is the label (what the default tree is grown from).
+        ``sum_v min(p_v, q_v)`` against the original target at ``loss_temperature``) and ``drift/kl_to_original``,
+        ``drift/greedy_agreement``, ``drift/ppl_original``, ``drift/ppl_trained``, ``drift/ppl_change`` (ratio - 1);
+        and ``[K][10]`` rank accuracies: how often head k's rank-r candidate is the label (what the default tree is
+        grown from).
     """
     device = next(target.parameters()).device
     lm_head = target.get_output_embeddings()
@@ -71,5 +72,6 @@ def validate(target, heads: MedusaHeads, rows: list[dict], batch_size: int, pad_
     out["drift/ppl_trained"] = math.exp(out.pop("drift/nll_trained"))
     out["drift/ppl_original"] = math.exp(out.pop("drift/nll_original"))
     out["drift/ppl_change"] = out["drift/ppl_trained"] / out["drift/ppl_original"] - 1
-    rank_accuracy = [(rank_hits[k] / max(weights[f"val/head{k + 1}_top1"], 1.0)).tolist() for k in range(heads.num_heads)]
+    rank_accuracy = [(rank_hits[k] / max(weights[f"val/head{k + 1}_top1"], 1.0)).tolist()
+                     for k in range(heads.num_heads)]
     return out, rank_accuracy
