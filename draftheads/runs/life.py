@@ -38,11 +38,12 @@ from draftheads.runs.preflight import serving_preflight
 from draftheads.runs.resume import check_resume
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import PeerRun, check_peer_runs, load_peer_runs, peer_methods
-from draftheads.training.checkpoint import latest_checkpoint
+from draftheads.training.checkpoint import check_plan, latest_checkpoint
 from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
 from draftheads.training.ledger import finished_steps, record_finished, start_ledger
 from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.runtime import distributed, make_accelerator, print0, settle_precision, start_tracker
+from draftheads.training.spine import plan_settings
 from draftheads.training.warm_start import check_init_path
 
 
@@ -159,6 +160,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         if recipe is not None:
             recipe.check(conf, target)
         resume = latest_checkpoint(out, identity, recipe.stages) if recipe is not None and conf.resume else None
+        if resume is not None:  # the plan's settings now, its rows once they are made (the spine)
+            check_plan(resume[0], plan_settings(accelerator, conf.trainer))
         finished = (finished_steps(out) or []) if recipe is not None and conf.resume else []
         done = bool(recipe is not None and conf.resume and set(_steps(conf)) <= set(finished))
         if recipe is not None and conf.resume and resume is None and not finished:

@@ -225,13 +225,19 @@ def fit(accelerator: Accelerator, strategy: Strategy, rows: list[dict], trainer,
 
 
 def batch_plan(accelerator: Accelerator, trainer, rows: list[dict]) -> dict:
-    """What decides which rows each micro-batch holds, so a resumed run must keep it: the batch sizes, the
-    accumulation, the seed that shuffles, the number of processes sharing the rows, and a sha256 of the rows'
-    token ids in order. ``trainer.batch_size`` only for batches of rows (packed batches do not read it)."""
+    """What decides which rows each micro-batch holds, so a resumed run must keep it: the settings of
+    :func:`plan_settings` and a sha256 of the rows' token ids in order."""
+    return {**plan_settings(accelerator, trainer), "data_sha256": rows_sha256(rows)}
+
+
+def plan_settings(accelerator: Accelerator, trainer) -> dict:
+    """The batch plan but its rows, known when a job opens (a resume is checked against them before any row is
+    made): the batch sizes, the accumulation, the seed that shuffles, the number of processes sharing the rows.
+    ``trainer.batch_size`` only for batches of rows (packed batches do not read it)."""
     rows_per_batch = {"trainer.batch_size": trainer.batch_size} if trainer.tokens_per_batch is None else {}
     return {**rows_per_batch, "trainer.tokens_per_batch": trainer.tokens_per_batch,
             "trainer.grad_accum": trainer.grad_accum, "trainer.seed": trainer.seed,
-            "num_processes": accelerator.num_processes, "data_sha256": rows_sha256(rows)}
+            "num_processes": accelerator.num_processes}
 
 
 def _autocast(device: torch.device, mixed_precision: str):
