@@ -10,14 +10,17 @@ import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 from draftheads.data.batching import DataReport, rows_from_chats
 from draftheads.data.conversations import load_chats
-from draftheads.data.regenerate import OpenAIBackend, TransformersBackend, cache_key, regenerate, resolve_reasoning
+from draftheads.data.regenerate import (Engine, OpenAIBackend, TransformersBackend, VLLMBackend, cache_key, regenerate,
+                                        resolve_reasoning)
 from draftheads.data.self_made import NearDuplicates, cache_file, distinct_bigrams, self_made_prompts
 from draftheads.data.sources import row_location
 from draftheads.data.templates import (TemplateRejected, apply_system_policy, check_template, check_thinking_switch,
-                                       render)
+                                       render, stop_token_ids)
+from draftheads.models.target import context_window
 
 
 def read_chats(data_cfg, tokenizer, report: DataReport, part: str, limit: int, src=None) -> list:
@@ -108,13 +111,25 @@ def with_thinking(chats: list, fraction: float | None, seed: int, tokenizer=None
     return [replace(c, thinking=i in thinking) if c.tokens is None else c for i, c in enumerate(chats)]
 
 
-def make_backend(data_cfg, target, tokenizer):
-    """The regeneration backend: the target through transformers, or ``data.server`` when its url is set."""
+def make_backend(data_cfg, target, tokenizer, vllm: Callable[[], tuple[Path, str, dict]] | None = None):
+    """The regeneration backend: ``data.server`` when its url is set, else the target in process through
+    transformers, or through vLLM's offline engine with ``data.generation.engine=vllm`` (``vllm()`` gives its
+    environment's python, the folder vLLM loads the target from and the engine's parallel arguments; a tool that
+    makes no vLLM environment passes none, and is refused)."""
     server = data_cfg.server
     if server.base_url:
         return OpenAIBackend(server.base_url, server.model, data_cfg.generation, server.api_key,
                              server.concurrency, server.max_retries, server.timeout_s,
                              resolve_reasoning(data_cfg.reasoning, tokenizer.chat_template))
+    if data_cfg.generation.engine == Engine.vllm:
+        if vllm is None:
+            raise ValueError("data.generation.engine=vllm: this tool runs no vLLM environment; use a training job or "
+                             "train/regenerate.py")
+        python, path, parallel = vllm()
+        engine = {"dtype": str(target.dtype).removeprefix("torch."), "enforce_eager": True,
+                  "generation_config": "vllm", "max_model_len": context_window(target) or 4096, **parallel}
+        return VLLMBackend(python, path, tokenizer, data_cfg.generation,
+                           stop_token_ids(tokenizer, target.generation_config), engine)
     return TransformersBackend(target, tokenizer, data_cfg.generation)
 
 
@@ -187,7 +202,8 @@ def made_sources(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | P
 
 def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path,
                         show_progress: bool = True, rank: int = 0, world_size: int = 1,
-                        barrier=lambda: None, held_out: list[str] = ()) -> tuple[list[dict], list[dict], DataReport]:
+                        barrier=lambda: None, held_out: list[str] = (),
+                        vllm: Callable | None = None) -> tuple[list[dict], list[dict], DataReport]:
     """Training rows and held-out validation rows, answered by the target itself (``data.regenerate``) or
     as the dataset has them, and the data report.
 
@@ -198,7 +214,8 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     validation conversations each get that share in thinking mode (:func:`with_thinking`, seeded by
     ``data.generation.seed``), rendered, answered and trained in it; the rows carry ``thinking`` and the report
     counts them. ``held_out``: the eval prompts' texts, which the training prompts are checked against
-    (:func:`near_eval`, in the report's ``near_eval``).
+    (:func:`near_eval`, in the report's ``near_eval``); ``vllm``: what :func:`make_backend` needs for
+    ``data.generation.engine=vllm``.
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, a thinking fraction outside [0, 1]
     or one for a template with no thinking switch, or no trainable token left; ``RuntimeError`` for more failed
     answers than ``data.max_failed_fraction`` allows (:func:`check_failed`).
@@ -222,7 +239,7 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     chats = train + val
     if data_cfg.regenerate:
         messages = [c for c in chats if c.tokens is None]
-        backend = make_backend(data_cfg, target, tokenizer)
+        backend = make_backend(data_cfg, target, tokenizer, vllm)
         key = cache_key(model_id, messages, data_cfg.generation, backend.name, tokenizer.chat_template)
         answered = regenerate(backend, messages, data_cfg.generation.batch_size,
                               Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress,

@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import weakref
 from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -29,6 +31,17 @@ from draftheads.data.templates import apply_system_policy, check_template, stop_
 from draftheads.models.decoding import cut_at_stop, explicit_generation
 from draftheads.models.partial import refuse_partial
 
+VLLM_ANSWERS = Path(__file__).resolve().with_name("vllm_answers.py")
+"""The engine loop :class:`VLLMBackend` runs in vLLM's environment (it imports nothing from draftheads)."""
+READY, ANSWERS = "DRAFTHEADS_READY", "DRAFTHEADS_ANSWERS "
+"""The lines :data:`VLLM_ANSWERS` prints when its engine is up and with each answer (as it defines them)."""
+
+
+class Engine(Choice):
+    """What generates the target's answers in process (``data.generation.engine``)."""
+    transformers = "transformers"
+    vllm = "vllm"
+
 
 @dataclass
 class GenerationSettings:
@@ -44,6 +57,9 @@ class GenerationSettings:
     """Conversations answered together (one generate() call per turn, or concurrent requests per chunk); a
     chunk is also the unit a killed run resumes from."""
     seed: int = 0
+    engine: Engine = Engine.transformers
+    """Who generates in process: transformers (the target as loaded) or vllm (vLLM's offline engine in its own
+    environment, ``vllm.venv``: :class:`VLLMBackend`). Part of the answers' cache key through the backend's name."""
 
 
 @dataclass
@@ -173,6 +189,58 @@ def generate_ids(model, tokenizer, batch: list[list[int]], settings: GenerationS
     return results
 
 
+class VLLMBackend:
+    """The target through vLLM's offline engine (``data.generation.engine=vllm``), in vLLM's own environment
+    (``python``: its interpreter; the engine started once, on the first batch, by :mod:`draftheads.data.vllm_answers`
+    and ended with the process): prompts rendered here with the target's chat template exactly as
+    :class:`TransformersBackend` renders them, sent as token ids, answered with the same stop set and settings (the
+    target's own ``generation_config`` defaults kept out: ``generation_config="vllm"``), returned as generated ids.
+    Greedy answers equal the transformers path's wherever the target has no near-tie (the two compute the same
+    float32 logits by other kernels). ``target``: the folder vLLM loads (a GGUF target as draftheads converted it)."""
+
+    def __init__(self, python: str | Path, target: str, tokenizer: PreTrainedTokenizerBase,
+                 settings: GenerationSettings, stop: Collection[int], engine: dict):
+        self.python, self.target, self.tokenizer, self.settings = Path(python), target, tokenizer, settings
+        self.stop, self.engine = sorted(stop), engine
+        self.name = f"vllm+stop{self.stop}"  # in the cache key: another engine may break a near-tie otherwise
+        self.process: subprocess.Popen | None = None
+
+    def _start(self) -> subprocess.Popen:
+        job = {"target": self.target, "engine": self.engine}
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        process = subprocess.Popen([str(self.python), str(VLLM_ANSWERS), json.dumps(job)], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True, env=env)
+        for line in process.stdout:
+            if line.startswith(READY):
+                weakref.finalize(self, process.kill)
+                return process
+        raise RuntimeError(f"vLLM's engine did not start for {self.target} (exit {process.wait()}): see its output "
+                           f"above")
+
+    def answer(self, histories: list[list[dict]],
+               thinking: list[bool | None] | None = None) -> list[tuple[dict, bool]]:
+        self.process = self.process or self._start()
+        modes = thinking or [None] * len(histories)
+        encoded = [prompt_ids(self.tokenizer, h, mode) for h, mode in zip(histories, modes)]
+        s = self.settings
+        request = {"prompts": encoded, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                   "max_tokens": s.max_new_tokens, "stop": self.stop, "seed": s.seed}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(ANSWERS):
+                break
+        else:
+            raise RuntimeError(f"vLLM's engine ended (exit {self.process.wait()}) before answering: see its output")
+        out = []
+        for ids, reason in json.loads(line[len(ANSWERS):]):
+            tokens, _ = cut_at_stop(ids, s.max_new_tokens, self.stop)
+            finished = bool(tokens) and tokens[-1] in self.stop or reason == "stop"
+            answer = tokens[:-1] if tokens and tokens[-1] in self.stop else tokens
+            out.append(({"role": "assistant", "content": self.tokenizer.decode(answer), "token_ids": answer}, finished))
+        return out
+
+
 class OpenAIBackend:
     """Any OpenAI-compatible chat-completions server (``vllm serve``, SGLang, TGI's Messages API) through the
     ``openai`` client: ``concurrency`` requests in flight, each retried ``max_retries`` times with backoff by the
@@ -252,8 +320,10 @@ def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
 def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, backend: str,
               chat_template: str | None) -> str:
     """Hash of the target's identity and chat template, the conversations (and each one's thinking mode when it
-    is not the template's default), the generation settings and the backend."""
-    h = hashlib.sha256(json.dumps([model_id, asdict(settings), backend, chat_template], sort_keys=True).encode())
+    is not the template's default), the generation settings and the backend (which names the engine: the
+    ``engine`` setting itself stays out, so caches made before it existed keep their keys)."""
+    made = {k: v for k, v in asdict(settings).items() if k != "engine"}
+    h = hashlib.sha256(json.dumps([model_id, made, backend, chat_template], sort_keys=True).encode())
     for c in chats:
         mode = [] if c.thinking is None else [c.thinking]  # the default's keys stay those of caches made before
         h.update(json.dumps([c.source, c.row, c.messages, *mode]).encode())

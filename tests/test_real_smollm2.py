@@ -136,3 +136,31 @@ def test_regenerate_then_train_from_the_file_trains_what_the_job_trains(smollm2,
     assert len(job_rows) == len(file_rows) == 16 and job_unfinished == file_unfinished > 0
     for key in ("input_ids", "loss_mask"):
         assert [r[key].tolist() for r in file_rows] == [r[key].tolist() for r in job_rows]
+
+
+@pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
+def test_vllms_engine_answers_as_the_transformers_path_but_at_ties(smollm2):
+    """data.generation.engine=vllm: vLLM's offline engine answers the same prompts, rendered the same way, with the
+    same greedy tokens as the transformers path, except where the target's top-2 logits tie (the two compute the
+    same float32 logits with other kernels), and at least 7 of 8 prompts token for token."""
+    from draftheads.data.pipeline import make_backend
+    from draftheads.data.sources import chitchat_prompts
+    from draftheads.training.config import DataConfig
+    model, tokenizer, path = smollm2
+    data = DataConfig(generation=GenerationSettings(max_new_tokens=32, engine="vllm"))
+    vllm = make_backend(data, model, tokenizer, lambda: (f"{VLLM_VENV}/bin/python", path, {}))
+    assert vllm.name.startswith("vllm+stop")
+    chats = [Chat("chitchat", p.row, ({"role": "user", "content": p.text},)) for p in chitchat_prompts("eval", 8)]
+    theirs = answer_turns(vllm, chats)
+    ours = answer_turns(TransformersBackend(model, tokenizer, GenerationSettings(max_new_tokens=32)), chats)
+    stop = stop_token_ids(tokenizer, model.generation_config)
+    same = 0
+    for chat, a, b in zip(chats, ours, theirs):
+        x, y = a.messages[-1]["token_ids"], b.messages[-1]["token_ids"]
+        if x == y:
+            same += 1
+            continue
+        first = next(i for i, (s, t) in enumerate(zip(x + [-1], y + [-2])) if s != t)
+        plain = plain_decode(model, torch.tensor(prompt_ids(tokenizer, chat.messages)), 32, stop)
+        assert plain.top2_gaps[first] < 1e-3, (chat.row, first, plain.top2_gaps[first])
+    assert same >= 7

