@@ -14,12 +14,25 @@ from typing import Callable
 
 from draftheads.data.batching import DataReport, rows_from_chats
 from draftheads.data.conversations import load_chats
-from draftheads.data.regenerate import (Engine, OpenAIBackend, TransformersBackend, VLLMBackend, cache_key, regenerate,
-                                        resolve_reasoning)
+from draftheads.data.generation import Engine
+from draftheads.data.regenerate import (
+    OpenAIBackend,
+    TransformersBackend,
+    VLLMBackend,
+    cache_key,
+    regenerate,
+    resolve_reasoning,
+)
 from draftheads.data.self_made import NearDuplicates, cache_file, distinct_bigrams, self_made_prompts
 from draftheads.data.sources import row_location
-from draftheads.data.templates import (TemplateRejected, apply_system_policy, check_template, check_thinking_switch,
-                                       render, stop_token_ids)
+from draftheads.data.templates import (
+    TemplateRejected,
+    apply_system_policy,
+    check_template,
+    check_thinking_switch,
+    render,
+    stop_token_ids,
+)
 from draftheads.models.target import context_window
 
 

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-
+from draftheads.data.generation import GenerationSettings, generate_ids
 from draftheads.data.templates import apply_system_policy, check_template, render, stop_token_ids
 from draftheads.models.partial import refuse_partial
 
@@ -190,7 +190,6 @@ def sample_batch(model, tokenizer, settings: SelfMade, index: int) -> list[dict]
     """Batch ``index``: ``batch_size`` user messages sampled by the target after the pre-query template of topic
     ``topics[index % len(topics)]``, from seed ``(seed, index)`` (the global RNG left as it was):
     ``{"text", "topic", "finished", "system"}`` each."""
-    from draftheads.data.regenerate import GenerationSettings, generate_ids  # it imports this module's importers
     refuse_partial(model, "writing self-made prompts", "make them once with the whole target (a run of the job, or "
                                                        "train/regenerate.py), then train partially")
     topic = settings.topics[index % len(settings.topics)]

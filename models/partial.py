@@ -25,6 +25,7 @@ from accelerate import init_empty_weights
 from accelerate.utils import set_module_tensor_to_device
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 PARTS = "input embedding, final norm and LM head"
@@ -126,13 +127,26 @@ def place(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module
     return model
 
 
+def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
+    """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
+
+    Raises ``ValueError`` when the architecture keeps them elsewhere.
+    """
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise ValueError(f"cannot find the decoder layer list of {type(model).__name__} "
+                     f"(looked for .layers, .h, .blocks on {type(base).__name__})")
+
+
 def hold_layers(model: PreTrainedModel, indices: Sequence[int]) -> None:
     """Read decoder layers ``indices`` of a partial target from its checkpoint, in the dtype and on the device of
     its loaded ends (Medusa stage 2 trains the last N: the trainer then holds those and the ends). A whole
     target holds them already."""
     if not is_partial(model):
         return
-    from draftheads.models.target import decoder_layers  # target imports this module
     layers, embedding = decoder_layers(model), model.get_input_embeddings().weight
     prefix = next(n for n, m in model.named_modules() if m is layers)
     for i in indices:

@@ -25,16 +25,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase)
-
-from draftheads.choice import Choice
 from draftheads.models.decoding import GenerationDefaults
 from draftheads.models.packed_attention import rows_attend_alone
-from draftheads.models.partial import load_partial_model, named_weights
+from draftheads.models.partial import decoder_layers, load_partial_model, named_weights
 from draftheads.models.precision import auto_dtype
 from draftheads.models.tiny import CHAT_TEMPLATES, TinySpec, build_tiny, chat_template_text
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from draftheads.choice import Choice
 
 
 class Dtype(Choice):
@@ -269,20 +275,6 @@ def check_made_for(made_for, target_config, what: str) -> None:
     wrong = {k: (mine[k], theirs[k]) for k in mine if mine[k] != theirs[k]}
     if wrong:
         raise ValueError(f"{what} made for another target: (drafter, target) differ in {wrong}")
-
-
-def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
-    """The model's own list of decoder layers (``model.model.layers`` for Llama, Qwen, Mistral...).
-
-    Raises ``ValueError`` when the architecture keeps them elsewhere.
-    """
-    base = model.base_model
-    for name in ("layers", "h", "blocks"):
-        layers = getattr(base, name, None)
-        if isinstance(layers, nn.ModuleList):
-            return layers
-    raise ValueError(f"cannot find the decoder layer list of {type(model).__name__} "
-                     f"(looked for .layers, .h, .blocks on {type(base).__name__})")
 
 
 @contextmanager

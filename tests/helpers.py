@@ -12,13 +12,13 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-
 from draftheads.data.batching import collate, pack
 from draftheads.data.hidden_states import attach_hidden_states
+from draftheads.models.speculative import Sampling
+from hydra import compose, initialize_config_dir
+
 from draftheads.drafters import register_configs
 from draftheads.runs.life import train
-from draftheads.models.speculative import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
@@ -36,6 +36,27 @@ VLLM_VENV = os.environ.get("DRAFTHEADS_VLLM_VENV")
 VLLM_TINY = ["model.tiny.hidden_size=128", "model.tiny.num_attention_heads=2", "model.tiny.num_key_value_heads=1",
              "model.tiny.intermediate_size=256"]
 """The smoke target as vLLM's CPU attention takes it (head_dim >= 32; the smoke target has 16)."""
+
+
+SHORT = {
+    "medusa": ("stage1.epochs=1", "stage2.epochs=0.5", "stage2.unfreeze_last_n_layers=1"),
+    "dflash": ("train.epochs=1", "dflash.block_size=8", "eval.peer_runs=[]"),
+    "dspark": ("train.epochs=1", "eval.peer_runs=[]"),
+    # a draft vocabulary under the target's: the d2t map is trained and exported
+    "eagle3": ("train.epochs=1", "eagle3.ttt_steps=2", "eagle3.gamma=3", "eagle3.draft_vocab_size=256",
+               "eval.peer_runs=[]"),
+}
+"""Per registered drafter, the Hydra overrides that make its job short on a tiny target: every stage for an epoch
+or less, its own sizes small, peer runs (which such a run has not made) off. The tests over every drafter run its
+job with these and only keys every job declares; a new drafter adds its line here
+(``tests/jobs/test_every_drafter.py`` fails naming a registered drafter without one)."""
+
+
+def short_settings(job: str) -> tuple[str, ...]:
+    """:data:`SHORT` for ``job``; ``KeyError`` naming what to add for a registered drafter without a line."""
+    if job not in SHORT:
+        raise KeyError(f"{job}: registered, but tests/helpers.py SHORT has no short settings for it; add them")
+    return SHORT[job]
 
 
 def smoke(job: str, output_dir, cache_dir, *overrides: str):

@@ -15,10 +15,19 @@ from tests.helpers import ROOT
 FOLDERS = {"draftheads": ROOT / "draftheads", "draftheads.models": ROOT / "models", "draftheads.data": ROOT / "data"}
 """Where each part of the namespace lives on disk (pyproject's package-dir)."""
 
-LAYERS = ["draftheads.choice", "draftheads.packaged", "draftheads.models", "draftheads.data",
-          "draftheads.evaluation", "draftheads.training", "draftheads.drafters", "draftheads.runs", "draftheads.jobs",
-          "train"]
-"""Bottom to top: a module may import its own layer and those below it, never one above."""
+LAYERS = ["draftheads.choice", "draftheads.packaged", "draftheads.run_folder", "draftheads.models",
+          "draftheads.data", "draftheads.evaluation", "draftheads.serving", "draftheads.training",
+          "draftheads.drafters", "draftheads.runs", "draftheads.jobs", "train"]
+"""Bottom to top: a module may import its own layer and those below it, never one above. Evaluation (what
+measures tau), serving (the servers: vLLM's environment, probe, runner, parity, preflight, the serving matrix)
+and training (the spine, objectives, config) are apart: the drafter contract (``draftheads.drafters``) is where
+they meet."""
+
+APART = {"draftheads.training": ("draftheads.evaluation", "draftheads.serving")}
+"""Layers that import nothing from some below them."""
+
+RUN_FOLDER_NAMES = ('"report.json"', '"config.yaml"', '"progress.json"', '"target.json"')
+"""Entry names of a run's folder, spelled only in :mod:`draftheads.run_folder`."""
 
 
 def modules() -> dict[str, Path]:
@@ -56,8 +65,11 @@ import that one's folder, by subclassing, never the reverse or any other folder.
 
 
 def drafter_of(name: str) -> str | None:
+    """The drafter folder a module is in (``draftheads.drafters.<name>``), None for any other (the registry and
+    the contract beside it included)."""
     parts = name.split(".")
-    return parts[2] if len(parts) > 2 and parts[:2] == ["draftheads", "drafters"] else None
+    inside = len(parts) > 2 and parts[:2] == ["draftheads", "drafters"]
+    return parts[2] if inside and (ROOT / "draftheads" / "drafters" / parts[2]).is_dir() else None
 
 
 def forbidden(edges: list[tuple[str, str]]) -> list[str]:
@@ -70,6 +82,9 @@ def forbidden(edges: list[tuple[str, str]]) -> list[str]:
             bad.append(f"{src} imports {dst}: an entry script imports another")
         elif layer(dst) is not None and layer(src) is not None and layer(dst) > layer(src):
             bad.append(f"{src} imports {dst}: {LAYERS[layer(dst)]} is above {LAYERS[layer(src)]}")
+        elif layer(src) is not None and layer(dst) is not None and LAYERS[layer(dst)] in APART.get(
+                LAYERS[layer(src)], ()):
+            bad.append(f"{src} imports {dst}: {LAYERS[layer(src)]} stays apart from {LAYERS[layer(dst)]}")
         elif drafter_of(src) and drafter_of(dst) and drafter_of(dst) not in (drafter_of(src),
                                                                           EXTENDS.get(drafter_of(src))):
             bad.append(f"{src} imports {dst}: one drafter's folder imports another's")
@@ -88,7 +103,62 @@ def test_imports_point_down_and_doors_are_thin():
             assert len(defs) <= 1 and len(path.read_text().splitlines()) < 60, f"{path} is not a thin door"
 
 
+def circles(edges: list[tuple[str, str]]) -> list[list[str]]:
+    """Every set of two or more modules that import each other, directly or round a circle (Tarjan's strongly
+    connected components), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for src, dst in edges:
+        graph.setdefault(src, set()).add(dst)
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in list(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_round_a_circle():
+    """Not even inside a layer, nor through an import inside a function or under ``TYPE_CHECKING``."""
+    found = modules()
+    edges = [(name, dst) for name, path in found.items() for dst in imports(path) if dst in found and dst != name]
+    assert circles(edges) == []
+
+
+def test_a_circle_is_found():
+    assert circles([("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")]) == [["a", "b", "c"]]
+
+
+def test_each_run_folder_name_is_spelled_in_one_module():
+    spelled = {name: sorted(str(path.relative_to(ROOT)) for path in modules().values() if name in path.read_text())
+               for name in RUN_FOLDER_NAMES}
+    assert spelled == {name: ["draftheads/run_folder.py"] for name in RUN_FOLDER_NAMES}
+
+
 @pytest.mark.parametrize("edge, rule", [
+    (("draftheads.training.spine", "draftheads.serving.matrix"), "stays apart"),
+    (("draftheads.training.config", "draftheads.evaluation.context"), "stays apart"),
+    (("draftheads.evaluation.evaluator", "draftheads.serving.parity"), "is above"),
     (("draftheads.models.target", "draftheads.data.sources"), "is above"),
     (("draftheads.training.spine", "draftheads.drafters.medusa.recipe"), "is above"),
     (("draftheads.drafters.medusa.recipe", "draftheads.runs.life"), "is above"),

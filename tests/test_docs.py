@@ -39,7 +39,7 @@ def test_every_commit_the_docs_cite_is_in_the_history():
 def test_docs_extending_names_only_what_the_recipe_has():
     """docs/extending.md's paragraph on the ``Recipe`` names its attributes and methods in backticks: each must be
     one the class declares (issue 54: it named a hook, ``attach_states``, that no longer existed)."""
-    from draftheads.training.recipe import FeatureRecipe, Recipe
+    from draftheads.drafters.contract import FeatureRecipe, Recipe
     text = (ROOT / "docs" / "extending.md").read_text()
     paragraph = text[text.index("The `Recipe` says"):text.index("Each method's contract")]
     names = set(re.findall(r"`([a-z_]+)`", paragraph))

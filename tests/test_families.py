@@ -12,24 +12,25 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-from draftheads import drafters
 from draftheads.data.conversations import Chat
-from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, generate_ids, prompt_ids
+from draftheads.data.generation import GenerationSettings, generate_ids
+from draftheads.data.regenerate import TransformersBackend, answer_turns, prompt_ids
 from draftheads.data.templates import chat_tokens, stop_token_ids
-from draftheads.drafters.medusa.export import load_tgi_medusa
-from draftheads.evaluation.methods import load_eval_sets
-from draftheads.jobs.evaluate import evaluate_run
-from draftheads.runs.life import train
-from draftheads.runs.saved import open_run
 from draftheads.models.decoding import cut_at_stop
 from draftheads.models.speculative import Sampling, plain_decode
 from draftheads.models.target import TargetSpec, decoder_layers, hidden_states_from, load_target, record_layer_outputs
 from draftheads.models.tiny import FAMILIES
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from draftheads import drafters
+from draftheads.drafters.medusa.export import load_tgi_medusa
+from draftheads.evaluation.methods import load_eval_sets
+from draftheads.jobs.evaluate import evaluate_run
 from draftheads.packaged import chitchat_conversations
+from draftheads.runs.life import train
+from draftheads.runs.saved import open_run
 from draftheads.training.config import apply_generation_defaults, to_schema
-from tests.helpers import greedy_lossless, smoke
+from tests.helpers import greedy_lossless, short_settings, smoke
 
 TURN_END = {"llama": "<|im_end|>", "llama3": "<|eot_id|>", "qwen3": "<|im_end|>", "gemma3": "<end_of_turn>",
             "mistral": "</s>", "phi3": "<|end|>"}
@@ -200,14 +201,14 @@ def test_regeneration_is_the_plain_greedy_answer_through_the_first_stop(family):
 
 @pytest.fixture(scope="module")
 def jobs(family, tmp_path_factory, cache_dir):
-    """Every registered drafter's job, made short by its recipe (``Recipe.short``: every stage, Medusa's second
-    too), on one family's target: ``{drafter: (folder, report)}``."""
+    """Every registered drafter's job, made short (``tests/helpers.py SHORT``: every stage, Medusa's second too),
+    on one family's target: ``{drafter: (folder, report)}``."""
     name = family[0]
     out = {}
     for drafter in sorted(drafters.DRAFTERS):
         folder = tmp_path_factory.mktemp(f"{name}-{drafter}")
         out[drafter] = folder, train(drafter, smoke(drafter, folder, cache_dir, f"model.name_or_path=tiny://{name}",
-                                                    *JOB, *drafters.get(drafter).short,
+                                                    *JOB, *short_settings(drafter),
                                                     *family_overrides(name, drafter)))
     return out
 

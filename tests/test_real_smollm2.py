@@ -6,15 +6,15 @@ import os
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-
 from draftheads.data.conversations import Chat
-from draftheads.data.regenerate import GenerationSettings, TransformersBackend, answer_turns, prompt_ids
+from draftheads.data.generation import GenerationSettings
+from draftheads.data.regenerate import TransformersBackend, answer_turns, prompt_ids
 from draftheads.data.templates import chat_tokens, stop_token_ids
-from draftheads.drafters.medusa.heads import MedusaHeads
-from draftheads.drafters.medusa.heads import MedusaDrafter
 from draftheads.models.speculative import plain_decode, speculative_decode
 from draftheads.models.target import TargetSpec, load_target, resolve_target_path
+from hydra import compose, initialize_config_dir
+
+from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
 from tests.helpers import CONF, greedy_lossless
 from tests.helpers import run_medusa as run
 
@@ -114,6 +114,7 @@ def test_regenerate_then_train_from_the_file_trains_what_the_job_trains(smollm2,
     ``data.regenerate=false``) trains exactly the ids and masks the in-job regeneration trains for the same rows:
     each answer as generated, and no end-of-turn token after an answer the budget cut."""
     from draftheads.data.pipeline import self_distilled_rows
+
     from draftheads.jobs.regenerate import regenerate_data
     from draftheads.packaged import chitchat_conversations
     from draftheads.training.config import to_schema
@@ -145,6 +146,7 @@ def test_vllms_engine_answers_as_the_transformers_path_but_at_ties(smollm2):
     same float32 logits with other kernels), and at least 7 of 8 prompts token for token."""
     from draftheads.data.pipeline import make_backend
     from draftheads.data.sources import chitchat_prompts
+
     from draftheads.training.config import DataConfig
     model, tokenizer, path = smollm2
     data = DataConfig(generation=GenerationSettings(max_new_tokens=32, engine="vllm"))

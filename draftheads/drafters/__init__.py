@@ -1,7 +1,7 @@
 """The drafters, one folder each, and the registry that names them.
 
 A drafter's folder holds its module, its training strategies, its validation, its exporters, its decoding
-methods and what it saves, behind one :class:`~draftheads.training.recipe.Recipe` (``recipe.py``). Adding a
+methods and what it saves, behind one :class:`~draftheads.drafters.contract.Recipe` (``recipe.py``). Adding a
 drafter is its folder and one line in :data:`DRAFTERS`; the training job, the end of a run, evaluation, peer
 runs, export, vLLM parity and the state cache ask this registry, never a folder on disk.
 """
@@ -16,9 +16,10 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from draftheads.drafters.contract import Recipe
 from draftheads.evaluation.methods import PROMPT_LOOKUP
+from draftheads.run_folder import CONFIG
 from draftheads.training.config import RegenerateConfig
-from draftheads.training.recipe import Recipe
 
 DRAFTERS = {
     "medusa": "draftheads.drafters.medusa.recipe:MEDUSA",
@@ -41,9 +42,9 @@ def of_run(run_dir: str | Path) -> Recipe:
     """The recipe of a run directory, read from the ``drafter`` its ``config.yaml`` records. Raises
     ``FileNotFoundError`` for a folder without one (no run), ``ValueError`` for a config naming no drafter or
     an unregistered one."""
-    path = Path(run_dir) / "config.yaml"
+    path = Path(run_dir) / CONFIG
     if not path.exists():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG})")
     name = OmegaConf.load(path).get("drafter")
     if name is None:
         raise ValueError(f"{path} names no drafter (a run made before runs recorded theirs): add "

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-CONTEXT_BUCKETS = (0, 256, 512, 1024, 2048, 4096, 8192)
-"""Default ``eval.context_buckets``: edges in tokens; the last bucket holds every longer context."""
+WHOLE = (0,)
+"""One open bucket: every step (what a caller that names no edges gets; a job passes ``eval.context_buckets``)."""
 
 
 def acceptance_rates(accepted: Sequence[int], gamma: int,
@@ -30,7 +30,7 @@ def bucket_label(bucket: dict) -> str:
     return f"{lo}+" if hi is None else f"{lo}-{hi}"
 
 
-def by_context_length(results: list, gamma: int, edges: Sequence[int] = CONTEXT_BUCKETS) -> list[dict] | None:
+def by_context_length(results: list, gamma: int, edges: Sequence[int] = WHOLE) -> list[dict] | None:
     """Every non-empty bucket of ``edges`` with the steps of ``results`` (:class:`DecodeResult`) whose context
     falls in it: ``context_tokens`` ``[lo, hi)`` (``hi`` None: open), ``steps``, ``accepted`` (drafts) and
     ``emitted`` (tokens), ``acceptance_length`` (tau = 1 + accepted / steps, as the servers count it),

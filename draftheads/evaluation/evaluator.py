@@ -20,8 +20,6 @@ Definitions (as in the Medusa/EAGLE papers and vLLM/SGLang metrics):
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 from dataclasses import replace
 from pathlib import Path
@@ -33,11 +31,18 @@ from tqdm.auto import tqdm
 from draftheads.data.conversations import first_user_prompts, long_prompts, prompt_pieces
 from draftheads.data.regenerate import prompt_ids, target_prompt_ids
 from draftheads.data.templates import THINKING_LABELS, check_thinking_switch, stop_token_ids
-from draftheads.evaluation.context import (CONTEXT_BUCKETS, acceptance_rates, bucket_label, by_context_length,
-                                           format_context_table, plot_by_context)
+from draftheads.evaluation.context import (
+    WHOLE,
+    acceptance_rates,
+    bucket_label,
+    by_context_length,
+    format_context_table,
+    plot_by_context,
+)
 from draftheads.evaluation.intervals import intervals, paired, prompt_counts, resample_weights, statistics
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.speculative import ChainDrafter, DecodeResult, Sampling, plain_decode, speculative_decode
+from draftheads.run_folder import PLOT, write_report
 
 NOTES = ("acceptance_length (tau) = 1 + drafts accepted per verification step, counted before the token budget and "
          "stop tokens cut the output (as vLLM and EAGLE count; = 1 + sum of cumulative_acceptance_per_position); "
@@ -81,7 +86,7 @@ def evaluate_set(target, tokenizer, drafter: ChainDrafter, prompts: list, max_ne
                  tie_tolerance: float, sampling: Sampling = Sampling(), seed: int = 0,
                  peers: dict[str, Callable[[torch.Tensor], DecodeResult]] | None = None, desc: str = "eval",
                  defaults: GenerationDefaults = GenerationDefaults.ignore,
-                 context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
+                 context_buckets: tuple[int, ...] = WHOLE) -> dict:
     """Decode every prompt with the baseline, the chain drafter and each peer; return the set's metrics.
 
     Args:
@@ -155,7 +160,7 @@ def with_intervals(metrics: dict, plain: list[DecodeResult], methods: dict[str, 
     metrics["paired"] = {f"{a} - {b}": paired(draws[a], draws[b]) for i, a in enumerate(names) for b in names[i + 1:]}
 
 
-def acceptance(results: list[DecodeResult], gamma: int, context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
+def acceptance(results: list[DecodeResult], gamma: int, context_buckets: tuple[int, ...] = WHOLE) -> dict:
     """tau, tokens per step and per-position acceptance of a method that reports its verification steps (see
     the module's definitions), and the same per context-length bucket (``by_context_length``: the buckets of
     ``context_buckets`` that hold steps); a method that does not (transformers' prompt lookup) gets tokens per
@@ -193,7 +198,7 @@ def _decode_ms_per_token(results: list[DecodeResult]) -> float | None:
 
 
 def _peer_summary(plain: list[DecodeResult], peer: list[DecodeResult], prompts: list, tie_tolerance: float,
-                  greedy: bool, context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
+                  greedy: bool, context_buckets: tuple[int, ...] = WHOLE) -> dict:
     """A peer's acceptance (over its own gamma), tokens/s and speedup over the same baseline, decode time per
     token, greedy agreement (with the plain decoding of the target that verifies it: ``DecodeResult.reference``)
     and, greedy, where it first differs and whether that was a tie (:func:`_mismatch`; a reference's logits are
@@ -233,7 +238,7 @@ def _mismatch(prompt, plain: DecodeResult, spec: DecodeResult, tie_tolerance: fl
 
 
 def summarize(plain: list[DecodeResult], spec: list[DecodeResult], gamma: int, max_new_tokens: int,
-              mismatches: list[dict], context_buckets: tuple[int, ...] = CONTEXT_BUCKETS) -> dict:
+              mismatches: list[dict], context_buckets: tuple[int, ...] = WHOLE) -> dict:
     """Aggregate per-prompt results into the set's report entry."""
     spec_tokens = sum(len(r.tokens) for r in spec)
     return {
@@ -366,18 +371,14 @@ def plot_acceptance(sets: dict, path: str | Path) -> None:
     plt.close(fig)
 
 
-def write_report(report: dict, output_dir: str | Path) -> Path:
-    """``report.json`` (atomically: the previous one stays whole until the new one replaces it) and, when it
-    has an evaluation, ``acceptance.png`` (per-position acceptance, accepted-per-step histogram, tau per set and
-    method) in the run directory."""
+def write_report_and_plot(report: dict, output_dir: str | Path) -> Path:
+    """The run's report (:func:`~draftheads.run_folder.write_report`: atomic) and, when it has an evaluation,
+    its plot (:data:`~draftheads.run_folder.PLOT`: per-position acceptance, accepted-per-step histogram, tau per
+    set and method) in the run directory; returns the report's path."""
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "report.json"
-    tmp = path.with_name(path.name + ".tmp")  # written whole, then renamed: never a half-written report
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, path)
+    path = write_report(out, report)
     if report.get("eval"):
-        plot_acceptance(report["eval"], out / "acceptance.png")
+        plot_acceptance(report["eval"], out / PLOT)
     return path
 
 

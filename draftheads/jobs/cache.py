@@ -9,13 +9,22 @@ from pathlib import Path
 from omegaconf import DictConfig, open_dict
 
 from draftheads import drafters
-from draftheads.data.state_cache import (bytes_per_token, estimated_bytes, footprint, forward_states, pending_shards,
-                                         shard_indices, source_dtype, write_cache, write_manifest)
+from draftheads.data.state_cache import (
+    bytes_per_token,
+    estimated_bytes,
+    footprint,
+    forward_states,
+    pending_shards,
+    shard_indices,
+    source_dtype,
+    write_cache,
+    write_manifest,
+)
 from draftheads.data.vllm_states import vllm_states
-from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.runs.life import close_job, open_job
 from draftheads.runs.output_dir import release
 from draftheads.runs.rows import job_rows, state_cache_dir, state_cache_spec
+from draftheads.serving.vllm_env import ensure_vllm
 from draftheads.training.config import TargetBackend
 from draftheads.training.runtime import print0
 

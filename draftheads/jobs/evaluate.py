@@ -10,15 +10,15 @@ from pathlib import Path
 from draftheads import drafters
 from draftheads.data.regenerate import target_prompt_ids
 from draftheads.data.templates import stop_token_ids
-from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report
+from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report_and_plot
 from draftheads.evaluation.methods import load_eval_sets, unmeasured_peers
-from draftheads.evaluation.vllm_eval import evaluate_in_vllm
 from draftheads.jobs.cli import parse_args
 from draftheads.models.target import context_window, model_identity
+from draftheads.run_folder import REPORT, TARGET, read_report
 from draftheads.runs.life import eval_set_maker, evaluate_drafter
-from draftheads.runs.output_dir import TARGET_FILE
 from draftheads.runs.preflight import vllm_serving
 from draftheads.runs.saved import load_peer_runs, open_run
+from draftheads.serving.vllm_eval import evaluate_in_vllm
 
 
 def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None = None, backend: str = "transformers",
@@ -31,7 +31,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
 
     ``backend="vllm"``: the target is not loaded here (only its ends, ``model.partial``, to read the drafter);
     vLLM decodes with the run's export and without it, greedily, in its own environment (``vllm_venv``, made on
-    first use at ``$DRAFTHEADS_CACHE/vllm-venv``): :func:`~draftheads.evaluation.vllm_eval.evaluate_in_vllm`, no
+    first use at ``$DRAFTHEADS_CACHE/vllm-venv``): :func:`~draftheads.serving.vllm_eval.evaluate_in_vllm`, no
     peers. Raises ``ValueError`` for another backend, a name in ``eval.peers`` that is no method's
     (:func:`~draftheads.drafters.check_method_names`), and what :func:`~draftheads.runs.saved.open_run` raises:
     ``FileNotFoundError`` for a run that has not finished its save (``resume=true`` finishes it), ``ValueError``
@@ -48,7 +48,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
         notes = ["peer runs are not measured with backend=vllm"]
         sets = vllm_sets(run, conf, vllm_venv)
     else:
-        record = json.loads((Path(run_dir) / TARGET_FILE).read_text())
+        record = json.loads((Path(run_dir) / TARGET).read_text())
         peers, notes = load_peer_runs(conf.eval.peer_runs, record, run.target_path, run.target,
                                       conf.eval.unusable_peers)
         sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
@@ -60,8 +60,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     source = str(Path(run_dir) / weights) if weights else "run"
     for m in sets.values():
         m["drafter"] = source
-    report_path = Path(run_dir) / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    report = read_report(run_dir)
     report["eval"] = {**report.get("eval", {}), **sets}
     report["notes"], report["peer_runs"] = NOTES, notes
     report.setdefault("evaluations", []).append({
@@ -70,14 +69,14 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
         "eval": json.loads(json.dumps(asdict(conf.eval), default=str)), "hardware": hardware(),
         "dtype": conf.model.dtype})
     print(format_table(sets))
-    print(f"report: {write_report(report, run_dir)}")
+    print(f"report: {write_report_and_plot(report, run_dir)}")
     return report
 
 
 def check_writable_report(run_dir: Path) -> None:
     """``PermissionError`` naming the file, before any work, when ``run_dir`` cannot take the report this
     evaluation writes (a read-only run: copy it first)."""
-    probe = run_dir / "report.json.tmp"
+    probe = run_dir / (REPORT + ".tmp")
     if not run_dir.is_dir():
         return  # open_run names what is missing
     try:

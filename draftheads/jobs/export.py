@@ -10,7 +10,7 @@ from draftheads.runs.saved import open_run
 
 def export_run(run_dir: Path, overrides: list[str] = ()) -> dict[str, str]:
     """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter, and each one's
-    ``serving.json`` (:meth:`~draftheads.training.recipe.Recipe.write_serving`); returns ``{format: folder}``
+    ``serving.json`` (:meth:`~draftheads.drafters.contract.Recipe.write_serving`); returns ``{format: folder}``
     (empty for a drafter whose saved model is its export, like DFlash's). Raises what
     :func:`~draftheads.runs.saved.open_run` raises: ``FileNotFoundError`` for a run that has not finished its save
     (``resume=true`` finishes it), ``ValueError`` for overrides choosing another target than its drafter's."""

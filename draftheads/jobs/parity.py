@@ -10,11 +10,11 @@ from draftheads import drafters
 from draftheads.data.regenerate import prompt_messages, target_prompt_ids
 from draftheads.data.templates import stop_token_ids, template_kwargs
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.evaluation.parity import TOLERANCE, compare, our_side, run_vllm
-from draftheads.evaluation.vllm_env import VLLM
 from draftheads.jobs.cli import parse_args
 from draftheads.runs.preflight import vllm_serving
 from draftheads.runs.saved import open_run
+from draftheads.serving.parity import TOLERANCE, compare, our_side, run_vllm
+from draftheads.serving.vllm_env import VLLM
 
 
 def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = None, serve: bool = False) -> list[dict]:

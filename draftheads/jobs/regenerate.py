@@ -11,8 +11,8 @@ from omegaconf import DictConfig
 from draftheads.data.batching import DataReport
 from draftheads.data.pipeline import make_backend, read_chats, with_thinking
 from draftheads.data.regenerate import cache_key, regenerate
-from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.models.target import load_generation_config, load_target, load_tokenizer
+from draftheads.serving.vllm_env import ensure_vllm
 from draftheads.training.config import RegenerateConfig, apply_generation_defaults, to_schema
 
 

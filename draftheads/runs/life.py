@@ -7,7 +7,7 @@
 
 Everything that can fail runs before training; nothing that fails after it loses the trained drafter: it is
 saved and exported before evaluation, and the run's ledger (``progress.json``,
-:mod:`draftheads.training.ledger`) says which steps finished. What is not the life itself lives beside it:
+:mod:`draftheads.run_folder`) says which steps finished. What is not the life itself lives beside it:
 claiming the output folder (:mod:`~draftheads.runs.output_dir`), the rows (:mod:`~draftheads.runs.rows`), the
 preflight (:mod:`~draftheads.runs.preflight`), finished and peer runs read back (:mod:`~draftheads.runs.saved`).
 """
@@ -15,59 +15,34 @@ preflight (:mod:`~draftheads.runs.preflight`), finished and peer runs read back 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
+from dataclasses import asdict, replace
 from pathlib import Path
 
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 
 from draftheads import drafters
 from draftheads.data.pipeline import made_source
 from draftheads.data.templates import stop_token_ids
-from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report
+from draftheads.drafters.contract import Recipe, Trained
+from draftheads.evaluation.evaluator import NOTES, format_table, hardware, log_eval, write_report_and_plot
 from draftheads.evaluation.methods import evaluate_methods, load_eval_sets, prompt_lookup_peer, unmeasured_peers
 from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.partial import place
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import context_window, load_target, model_identity, resolve_target_path
-from draftheads.runs.output_dir import (TARGET_FILE, check_writable, claim_job_dir, lock_output_dir, release,
-                                        target_record)
+from draftheads.run_folder import CONFIG, PLOT, TARGET, finished_steps, read_report, record_finished, start_ledger
+from draftheads.runs.job import Job
+from draftheads.runs.output_dir import check_writable, claim_job_dir, lock_output_dir, release, target_record
 from draftheads.runs.preflight import serving_preflight
 from draftheads.runs.resume import check_resume
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import PeerRun, check_peer_runs, load_peer_runs, peer_methods
 from draftheads.training.checkpoint import check_plan, latest_checkpoint
 from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
-from draftheads.training.ledger import finished_steps, record_finished, start_ledger
-from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.runtime import distributed, make_accelerator, print0, settle_precision, start_tracker
 from draftheads.training.spine import plan_settings
 from draftheads.training.warm_start import check_init_path
-
-
-@dataclass
-class Job:
-    """An open run on this process."""
-    conf: RunConfig
-    accelerator: Accelerator
-    out: Path
-    eval_sets: dict[str, list]
-    target: object
-    tokenizer: object
-    target_path: str
-    identity: dict
-    resume: tuple[Path, dict] | None
-    """The checkpoint to continue from (``resume=true``) and its meta."""
-    precision: str
-    """What ``trainer.mixed_precision`` and ``model.dtype`` were settled to on this machine, and why."""
-    lock: object | None
-    """The main process's hold on the output_dir (:func:`~draftheads.runs.output_dir.lock_output_dir`)."""
-    finished: list[str]
-    """The steps the run's ledger listed as finished when it opened (a resume; empty otherwise)."""
-    done: bool
-    """A resume with nothing left to do: every step its config asks for is finished."""
 
 
 def train(name: str, cfg: DictConfig) -> dict:
@@ -80,14 +55,12 @@ def train(name: str, cfg: DictConfig) -> dict:
         if job.done:
             print(f"{job.out} finished already ({', '.join(job.finished)}): nothing to resume (to measure it with "
                   f"other eval settings: python train/evaluate.py {job.out} eval....)", flush=True)
-            return close_job(job, _report(job.out) if job.accelerator.is_main_process else {})
-        # an old ledger or report must not look like this run's; this ledger, nothing finished, lets a rerun claim
-        # the folder until a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no
-        # corrected rerun
+            return close_job(job, read_report(job.out) if job.accelerator.is_main_process else {})
+        # an old ledger must not look like this run's; this ledger, nothing finished, lets a rerun claim the folder
+        # until a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no corrected
+        # rerun
         if job.accelerator.is_main_process and job.resume is None and not job.finished:
             start_ledger(job.out, recipe.name)
-            write_report({"drafter": recipe.name, "finished": [],
-                          "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, job.out)
         preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
         job.accelerator.wait_for_everyone()
         train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
@@ -171,8 +144,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         accelerator.wait_for_everyone()
         start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's files are gone
         if accelerator.is_main_process and not done:
-            OmegaConf.save(cfg, out / "config.yaml", resolve=True)
-            (out / TARGET_FILE).write_text(json.dumps(target_record(target, identity), indent=1))
+            OmegaConf.save(cfg, out / CONFIG, resolve=True)
+            (out / TARGET).write_text(json.dumps(target_record(target, identity), indent=1))
     except BaseException:
         release(lock)
         raise
@@ -222,19 +195,14 @@ def _steps(conf) -> list[str]:
 
 def _record(out: Path) -> dict:
     """The run's ``target.json``: what it trained against (a stage-2 target has changed since)."""
-    return json.loads((out / TARGET_FILE).read_text())
-
-
-def _report(out: Path) -> dict:
-    path = out / "report.json"
-    return json.loads(path.read_text()) if path.exists() else {}
+    return json.loads((out / TARGET).read_text())
 
 
 def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict], extra: dict) -> dict:
     """Validate, save, export (each export with its ``serving.json``: :meth:`Recipe.write_serving`), write
     ``report.json``, then evaluate and write it again; returns the report.
-    The ledger (:mod:`draftheads.training.ledger`) is written as each step finishes, so a run a failed step
-    stopped says which steps it finished; ``report["finished"]`` shows the same list to the reader. A resumed run
+    The ledger (:mod:`draftheads.run_folder`) is written as each step finishes, so a run a failed step
+    stopped says which steps it finished (the report does not repeat it). A resumed run
     whose ledger lists the save (stopped during its export or evaluation) does not validate or save again: its
     saved drafter is read back and its report, written after the save, carried on; only the steps left run.
     Metrics are logged at ``trained.step``, the last training step on the tracker's axis."""
@@ -244,7 +212,7 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
         finished = list(job.finished)
         loaded = recipe.load(out, conf, job.target)  # what was saved, with what validation added for evaluation
         trained = replace(trained, model=loaded.model, saved=loaded.saved)
-        report = {**_report(out), "hardware": hardware(), "distributed": distributed(job.accelerator),
+        report = {**read_report(out), "hardware": hardware(), "distributed": distributed(job.accelerator),
                   "precision": job.precision, "resumed_from": str(job.resume[0]) if job.resume else None}
         print(f"{out}: validation and save finished before ({', '.join(finished)}): carried on", flush=True)
     else:
@@ -260,20 +228,20 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
                   "resumed_from": str(job.resume[0]) if job.resume else None, "init_from": trained.init_from,
                   "validation": val, **extra, "notes": NOTES}
         report |= recipe.save(job, trained)
-        report["finished"] = finished = _finished(out, recipe, finished, "save")
+        finished = _finished(out, recipe, finished, "save")
     if conf.export and "export" not in finished:
         report["exports"] = {**report.get("exports", {}), **recipe.export(out, job.target, trained)}
-        report["finished"] = finished = _finished(out, recipe, finished, "export")
+        finished = _finished(out, recipe, finished, "export")
     if "export" not in job.finished:  # beside every export, who serves it (docs/serving.md)
         for path in recipe.write_serving(out, conf, trained):
             print(f"serving: {path}", flush=True)
-    print(f"report: {write_report(report, out)}", flush=True)
+    print(f"report: {write_report_and_plot(report, out)}", flush=True)
     if conf.eval.enabled:
         report["peer_runs"], report["eval"] = evaluate(job, recipe, trained)
-        report["finished"] = _finished(out, recipe, finished, "evaluation")
         print(format_table(report["eval"]), flush=True)
-        print(f"report: {write_report(report, out)}", flush=True)
-        log_eval(job.accelerator, report["eval"], out / "acceptance.png", trained.step)
+        print(f"report: {write_report_and_plot(report, out)}", flush=True)
+        _finished(out, recipe, finished, "evaluation")
+        log_eval(job.accelerator, report["eval"], out / PLOT, trained.step)
     return report
 
 

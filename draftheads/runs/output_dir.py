@@ -11,15 +11,11 @@ from pathlib import Path
 
 import yaml
 
+from draftheads.drafters.contract import Recipe
 from draftheads.models.target import weights_sample
+from draftheads.run_folder import CHECKPOINTS, CONFIG, EXPORT, LEDGER, PLOT, REPORT, TARGET, finished_steps
 from draftheads.runs.rows import state_cache_dir
 from draftheads.training.config import RunConfig, TargetStates
-from draftheads.training.ledger import LEDGER, finished_steps
-from draftheads.training.recipe import Recipe
-
-TARGET_FILE = "target.json"
-"""What a run trained against (:func:`target_record`), written beside ``config.yaml`` when the run opens; peer
-runs are checked against it."""
 
 
 def target_record(target, identity: dict) -> dict:
@@ -28,8 +24,8 @@ def target_record(target, identity: dict) -> dict:
     return {**identity, "weights_sample_sha256": weights_sample(target)}
 
 
-RUN_ENTRIES = ("config.yaml", TARGET_FILE, LEDGER, LEDGER + ".tmp", "report.json", "report.json.tmp", "checkpoints",
-               "export", "acceptance.png", "vllm_parity.json", "hidden_states", "logs", "wandb", "wandb_run_id")
+RUN_ENTRIES = (CONFIG, TARGET, LEDGER, LEDGER + ".tmp", REPORT, REPORT + ".tmp", CHECKPOINTS, EXPORT, PLOT,
+               "vllm_parity.json", "hidden_states", "logs", "wandb", "wandb_run_id")
 """What a run, its state cache build, its tracker and the jobs reading it back write in its output_dir (with
 what its drafter saves beside ``export/``: ``Recipe.saved_entries``): an overwriting run deletes these and
 nothing else."""
@@ -84,9 +80,9 @@ def run_marks(out: Path) -> list[str]:
     ``report.json``. A ledger saying nothing finished beside no checkpoint is a run that failed before training
     produced anything (bad data, no row left, a failed preflight): no run, so the corrected rerun needs no
     ``overwrite``. A folder of an older version, without a ledger, is read by its ``report.json``
-    (:func:`~draftheads.training.ledger.finished_steps`)."""
-    marks = [p.name for p in (out / "checkpoints", out / LEDGER, out / "report.json") if p.exists()]
-    return [] if marks and "checkpoints" not in marks and _nothing_finished(out) else marks
+    (:func:`~draftheads.run_folder.finished_steps`)."""
+    marks = [p.name for p in (out / CHECKPOINTS, out / LEDGER, out / REPORT) if p.exists()]
+    return [] if marks and CHECKPOINTS not in marks and _nothing_finished(out) else marks
 
 
 def _nothing_finished(out: Path) -> bool:
@@ -109,7 +105,7 @@ def foreign_entries(out: Path, entries: tuple[str, ...], keep: Path | None = Non
     return sorted(p.name for p in out.iterdir()
                   if (p.name not in entries and not p.name.startswith(PROBE) and p.name != LOCK
                       and not (keep is not None and _holds(p, keep)))
-                  or (runless and p.name == "config.yaml" and not _run_config(p)))
+                  or (runless and p.name == CONFIG and not _run_config(p)))
 
 
 def _run_config(path: Path) -> bool:

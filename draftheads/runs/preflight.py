@@ -1,34 +1,29 @@
 """A training job's serving preflight (``serving.preflight``): whether it runs, and running it, before the job
-computes any target state (:mod:`draftheads.evaluation.preflight` holds the comparison; docs/serving.md,
+computes any target state (:mod:`draftheads.serving.preflight` holds the comparison; docs/serving.md,
 "Preflight"); and the vLLM environment every vLLM tool runs in, once its vLLM is known to serve the drafter
 (:func:`vllm_serving`)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from draftheads import drafters
 from draftheads.data.regenerate import prompt_ids
 from draftheads.data.templates import stop_token_ids
-from draftheads.evaluation.evaluator import write_report
-from draftheads.evaluation.preflight import MAX_MODEL_LEN, PROMPT, Expect, preflight_job, refusal, run_preflight
-from draftheads.evaluation.serving import SERVERS, check_vllm_serves
-from draftheads.evaluation.vllm_env import ensure_vllm, probe_vllm
+from draftheads.drafters.contract import Recipe
+from draftheads.run_folder import update_report
+from draftheads.runs.job import Job
+from draftheads.serving.matrix import SERVERS, check_vllm_serves
+from draftheads.serving.preflight import MAX_MODEL_LEN, PROMPT, Expect, preflight_job, refusal, run_preflight
+from draftheads.serving.vllm_env import ensure_vllm, probe_vllm
 from draftheads.training.config import Preflight
-from draftheads.training.ledger import finished_steps
-from draftheads.training.recipe import Recipe
-
-if TYPE_CHECKING:  # the life opens the job and runs its preflight
-    from draftheads.runs.life import Job
 
 VENV_VARIABLE = "DRAFTHEADS_VLLM_VENV"
 """Names the vLLM environment when ``vllm.venv`` does not (the one CI and the vLLM tests use)."""
@@ -38,7 +33,7 @@ def preflight_python(job: Job, recipe: Recipe) -> tuple[Path | None, str]:
     """The vLLM environment's python the preflight runs in, or None and why it does not run: ``off``; ``auto``
     without an environment named (``vllm.venv``, ``$DRAFTHEADS_VLLM_VENV``) or one that does not exist, or whose
     vLLM does not serve the drafter's method or is no vLLM of the serving matrix whose cell says it loads the
-    export, or runs it on GPUs only (:attr:`~draftheads.evaluation.serving.Cell.cpu`) on a machine without one.
+    export, or runs it on GPUs only (:attr:`~draftheads.serving.matrix.Cell.cpu`) on a machine without one.
     Raises ``ValueError`` with ``on`` for a vLLM that does not serve the method
     (:func:`vllm_serving`, which makes the environment on first use)."""
     mode, venv = job.conf.serving.preflight, job.conf.vllm.venv or os.environ.get(VENV_VARIABLE)
@@ -67,13 +62,13 @@ def preflight_python(job: Job, recipe: Recipe) -> tuple[Path | None, str]:
 
 def serving_preflight(job: Job, recipe: Recipe) -> dict:
     """On the main process, before the rows and target states: vLLM loads the job's drafter exported untrained
-    (:meth:`~draftheads.training.recipe.Recipe.untrained`, in a temporary folder), drafts
+    (:meth:`~draftheads.drafters.contract.Recipe.untrained`, in a temporary folder), drafts
     ``serving.preflight_tokens`` tokens of one prompt, and what its engine read is held to
-    :meth:`~draftheads.training.recipe.Recipe.served_reads` and the draft's ``max_model_len``
-    (:func:`~draftheads.evaluation.preflight.check`). Returns the record for ``report.json`` (``mode``, ``ran``;
+    :meth:`~draftheads.drafters.contract.Recipe.served_reads` and the draft's ``max_model_len``
+    (:func:`~draftheads.serving.preflight.check`). Returns the record for ``report.json`` (``mode``, ``ran``;
     ``why`` it did not; else ``passed``, ``seconds``, ``readings``...); {} on other processes.
 
-    Raises :class:`~draftheads.evaluation.preflight.PreflightMismatch` (a ``ValueError``) naming each key, our
+    Raises :class:`~draftheads.serving.preflight.PreflightMismatch` (a ``ValueError``) naming each key, our
     value and the server's when vLLM reads the export otherwise, after writing the record into ``report.json``;
     with ``serving.preflight=on`` also ``ValueError`` for a drafter without a preflight or a vLLM that does not
     serve it, and ``CalledProcessError`` when the engine refuses the export (``auto`` records it and goes on)."""
@@ -115,9 +110,7 @@ def serving_preflight(job: Job, recipe: Recipe) -> dict:
             return {"mode": mode, "ran": True, "passed": None, "why": f"undecided: the engine failed: {e}"}
     record = {"mode": mode, "ran": True, **record, "seconds": round(time.perf_counter() - start, 1)}
     if not record["passed"]:
-        report = json.loads((job.out / "report.json").read_text()) if (job.out / "report.json").exists() else {}
-        write_report({**report, "drafter": recipe.name, "finished": finished_steps(job.out) or [], "preflight": record},
-                     job.out)
+        update_report(job.out, {"drafter": recipe.name, "preflight": record})
         raise refusal(record, f"{recipe.vllm_weights} of {recipe.name}, untrained")
     print(f"serving preflight: passed in {record['seconds']:.1f} s (vLLM read "
           + ", ".join(f"{k}={v['server']}" for k, v in record["readings"].items()) + ")", flush=True)
@@ -126,11 +119,11 @@ def serving_preflight(job: Job, recipe: Recipe) -> dict:
 
 def vllm_serving(recipe: Recipe, method: str, vllm_venv: str | None = None) -> Path:
     """The python of the vLLM environment (``vllm_venv``, made on first use by
-    :func:`~draftheads.evaluation.vllm_env.ensure_vllm`) once its vLLM is known to serve ``method``, ``recipe``'s
+    :func:`~draftheads.serving.vllm_env.ensure_vllm`) once its vLLM is known to serve ``method``, ``recipe``'s
     speculative method: its version and methods are read from its source (no engine started). Raises
     ``ValueError`` for a vLLM without the method, naming the last vLLM that serves it (``recipe``'s serving row
     for ``recipe.vllm_weights``) and the registered drafters this one serves
-    (:func:`~draftheads.evaluation.serving.check_vllm_serves`)."""
+    (:func:`~draftheads.serving.matrix.check_vllm_serves`)."""
     python = ensure_vllm(vllm_venv)
     rows = {}
     for name in drafters.DRAFTERS:

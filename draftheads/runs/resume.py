@@ -13,6 +13,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from draftheads.run_folder import CONFIG
+
 MAY_CHANGE = ("eval", "tracker", "serving", "vllm", "export", "resume", "overwrite", "output_dir", "cache_dir",
               "trainer.log_every", "trainer.checkpoint_every", "trainer.keep_last", "trainer.collective_timeout_min",
               "trainer.mixed_precision", "trainer.count_flops", "trainer.nonfinite", "data.target_batch_size")
@@ -39,7 +41,7 @@ def check_resume(out: Path, cfg: DictConfig) -> None:
     """``ValueError`` when ``resume=true`` would continue the run in ``out`` with settings other than its
     ``config.yaml`` records, outside :data:`MAY_CHANGE`: each key with the run's value and this one's, and the two
     ways on. Nothing to compare in a folder without ``config.yaml`` (no run to continue)."""
-    record = Path(out) / "config.yaml"
+    record = Path(out) / CONFIG
     if not record.is_file():
         return
     saved = OmegaConf.to_container(OmegaConf.load(record), resolve=False)

@@ -4,18 +4,16 @@ target states (computed in the run or read from the state cache), and where that
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from draftheads.data.batching import DataReport, data_scalars, padding_fraction, rank_shard
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.data.pipeline import self_distilled_rows
 from draftheads.data.state_cache import CacheSpec, cache_spec, read_cache
-from draftheads.evaluation.vllm_env import ensure_vllm
+from draftheads.runs.job import Job
+from draftheads.serving.vllm_env import ensure_vllm
 from draftheads.training.config import RunConfig, TargetStates
 from draftheads.training.runtime import print0
-
-if TYPE_CHECKING:  # the life opens the job and asks for its rows
-    from draftheads.runs.life import Job
 
 
 def job_rows(job: Job, layer_ids: tuple[int, ...] | None = None, attach: bool = True,

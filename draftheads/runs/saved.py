@@ -14,12 +14,12 @@ from omegaconf import OmegaConf
 
 from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
+from draftheads.drafters.contract import Recipe, Trained
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import Dtype, TargetSpec, load_target, model_identity, resolve_target_path
-from draftheads.runs.output_dir import TARGET_FILE, target_record
+from draftheads.run_folder import CONFIG, EXPORT, LEDGER, TARGET, check_saved
+from draftheads.runs.output_dir import target_record
 from draftheads.training.config import apply_generation_defaults
-from draftheads.training.ledger import LEDGER, check_saved
-from draftheads.training.recipe import Recipe, Trained
 
 
 @dataclass
@@ -39,7 +39,7 @@ class SavedRun:
 def run_config(folder: Path, recipe: Recipe, overrides: list[str] = ()):
     """``folder``'s saved ``config.yaml`` as ``recipe.schema``, with ``key=value`` overrides. Raises
     ``ValueError`` for an undeclared key or a value outside a choice."""
-    cfg = OmegaConf.merge(OmegaConf.structured(recipe.schema), OmegaConf.load(folder / "config.yaml"),
+    cfg = OmegaConf.merge(OmegaConf.structured(recipe.schema), OmegaConf.load(folder / CONFIG),
                           OmegaConf.from_dotlist(list(overrides)))
     return OmegaConf.to_object(cfg)
 
@@ -62,7 +62,7 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
     recipe = drafters.of_run(folder)
     check_finished(folder, recipe)
     if weights is not None and not (folder / weights).is_dir():  # an absolute weights path stays itself
-        exports = sorted(p.name for p in (folder / "export").iterdir()) if (folder / "export").is_dir() else []
+        exports = sorted(p.name for p in (folder / EXPORT).iterdir()) if (folder / EXPORT).is_dir() else []
         raise FileNotFoundError(f"weights={weights}: no such folder in {folder} (its exports: "
                                 f"{', '.join(f'export/{e}' for e in exports) or 'none, it ran with export=false: '}"
                                 f"{'' if exports else f'python train/export.py {folder} writes them'})")
@@ -80,7 +80,7 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
 
 def check_finished(folder: Path, recipe: Recipe) -> None:
     """``FileNotFoundError`` unless ``folder``'s ledger (``progress.json``) lists the save among the steps the
-    run finished (:func:`~draftheads.training.ledger.check_saved`; ``report.json`` is not read, but for a run
+    run finished (:func:`~draftheads.run_folder.check_saved`; ``report.json`` is not read, but for a run
     folder of an older version, without a ledger)."""
     check_saved(folder, str(folder / LEDGER), f"rerun train/{recipe.name}.py as it was started, with resume=true")
 
@@ -106,7 +106,7 @@ def check_trained_against(folder: Path, target, model: TargetSpec, trained_dtype
     weights sample hashes the values as loaded, so another dtype is compared by its sizes). Where it lies may
     change (``model.name_or_path`` set to where it is now). A run without ``target.json`` (made by an older
     version) is not checked."""
-    record_path = folder / TARGET_FILE
+    record_path = folder / TARGET
     if not record_path.exists():
         return
     record = json.loads(record_path.read_text())
@@ -154,11 +154,11 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
         for name in folders:
             folder = Path(name)
             try:
-                if not (folder / TARGET_FILE).exists():
-                    raise FileNotFoundError(f"no {TARGET_FILE}: not a finished run of this version")
-                theirs = json.loads((folder / TARGET_FILE).read_text())
+                if not (folder / TARGET).exists():
+                    raise FileNotFoundError(f"no {TARGET}: not a finished run of this version")
+                theirs = json.loads((folder / TARGET).read_text())
                 if record.keys() - theirs.keys():
-                    raise FileNotFoundError(f"its {TARGET_FILE} lacks {sorted(record.keys() - theirs.keys())}: made by "
+                    raise FileNotFoundError(f"its {TARGET} lacks {sorted(record.keys() - theirs.keys())}: made by "
                                             f"an older draftheads, train it again to measure it here")
                 if theirs != record:
                     raise ValueError(f"made for another target: (peer, this run) differ in "

@@ -17,6 +17,7 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from draftheads.data.state_cache import file_sha256
+from draftheads.run_folder import CHECKPOINTS
 
 CHECKSUMS = "files_sha256"
 """The ``meta.json`` key holding each file's sha256 by its path in the checkpoint (absent in checkpoints of
@@ -24,7 +25,7 @@ versions before it: those are resumed unchecked)."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
+    return Path(output_dir) / CHECKPOINTS
 
 
 def complete_checkpoints(output_dir: str | Path) -> list[tuple[Path, dict]]:

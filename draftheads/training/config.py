@@ -15,14 +15,17 @@ from typing import Any
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 
 from draftheads.choice import Choice
-from draftheads.data.regenerate import GenerationSettings, Reasoning
+from draftheads.data.generation import GenerationSettings
+from draftheads.data.regenerate import Reasoning
 from draftheads.data.sources import PromptSource, Source
 from draftheads.data.state_cache import StatesDtype
-from draftheads.evaluation.context import CONTEXT_BUCKETS
 from draftheads.models.decoding import GenerationDefaults, target_sampling
 from draftheads.models.speculative import Proposal, Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.training.objectives import Objective
+
+CONTEXT_BUCKETS = (0, 256, 512, 1024, 2048, 4096, 8192)
+"""Default ``eval.context_buckets``: edges in tokens; the last bucket holds every longer context."""
 
 
 class Format(Choice):
@@ -405,7 +408,7 @@ class VllmEngineConfig:
 
 class Preflight(Choice):
     """Whether a training job runs the serving preflight (``serving.preflight``;
-    :mod:`draftheads.evaluation.preflight`) before computing any target state."""
+    :mod:`draftheads.serving.preflight`) before computing any target state."""
     auto = "auto"
     """When a vLLM environment is named (``vllm.venv`` or ``$DRAFTHEADS_VLLM_VENV``), its vLLM serves the drafter's
     method (read from its source) and the drafter has a preflight (not Medusa); else skipped, saying why."""

@@ -23,8 +23,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from draftheads.training.objectives import (PositionWeights, chain_weights, logit_buffers, loss_mix, losses_and_grads,
-                                            normalise)
+from draftheads.training.objectives import (
+    PositionWeights,
+    chain_weights,
+    logit_buffers,
+    loss_mix,
+    normalise,
+    objective_and_grads,
+)
 
 CHUNK_BYTES = 256 * 2 ** 20
 """Float32 ``[chunk, V]`` tensors held at once (256 MiB: for ``ce``, the logits of 1,365 positions of a 49k
@@ -51,9 +57,9 @@ class _LinearLoss(torch.autograd.Function):
                 logits += _logits(side_hidden[s:s + chunk], side_weight, None)
             top[s:s + chunk] = logits.argmax(-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1).indices
             target = None if teacher is None else _logits(teacher[0][s:s + chunk], *teacher[1:])
-            # the objective and its gradient in the logits, in closed form, in the logits' place (no autograd)
-            losses[s:s + chunk], ce[s:s + chunk], a, g = losses_and_grads(logits, y, target, mix, temperature,
-                                                                          grad=any(needs))
+            # the objective and its gradient in the logits, in closed form in the logits' place where it has one
+            losses[s:s + chunk], ce[s:s + chunk], a, g = objective_and_grads(logits, y, target, mix, temperature,
+                                                                             grad=any(needs))
             if teacher is not None:
                 alpha[s:s + chunk] = a
             # the position weights scale the [chunk, D] side of each product

@@ -34,24 +34,95 @@ Every drafter's config section extends :class:`Objective`, so the keys are the s
 
 The weighted loss is normalised by the weights' sum over every process (:func:`normalise`), so that a step
 under DDP/FSDP is the step one process would take on the union of the processes' micro-batches.
+
+Each objective is a short autograd function in :data:`OBJECTIVES` (its reference, usable as it is); those in
+:data:`FAST` also have a closed-form gradient (:func:`losses_and_grads`), which training uses whenever every
+objective of a mix has one (:func:`objective_and_grads`). Adding an objective is one function and its line in
+:data:`OBJECTIVES` (plus, optionally, its term in :func:`losses_and_grads` and its name in :data:`FAST`); the
+tests hold every fast path to its reference by iterating over :data:`FAST`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from draftheads.choice import Choice
 
-LOSSES = ("ce", "kl", "rkl", "jsd", "tv", "lk_alpha", "lk_hybrid")
-"""The per-position objectives ``<drafter>.loss`` names (alone, or weighted in a mapping)."""
-
 LK_HYBRID_SCALE = 3.0
 """``lam = exp(-3 alpha)`` in ``lk_hybrid`` (speculators' documented value for its LK hybrid)."""
+
+Reference = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+"""``objective(z, labels, z_t, T) -> loss``: the drafter's logits ``z`` ``[N, V]`` float32, the labels ``[N]``
+int64, the target's logits ``z_t`` ``[N, V]`` float32 (None for ``ce``), both distributions' temperature ``T``
+(``ce`` reads neither); the objective at each position ``[N]`` float32, differentiable in ``z`` by autograd
+(a row's loss reads only its row)."""
+
+
+def _distributions(z: torch.Tensor, z_t: torch.Tensor, T: float):
+    """``(log p, log q)`` at temperature ``T``: the target's and the drafter's log-softmaxes ``[N, V]``."""
+    return torch.log_softmax(z_t / T, -1), torch.log_softmax(z / T, -1)
+
+
+def _alpha(z: torch.Tensor, z_t: torch.Tensor, T: float) -> torch.Tensor:
+    """``sum_v min(p_v, q_v)`` ``[N]``: the probability that speculative sampling accepts the draft."""
+    log_p, log_q = _distributions(z, z_t, T)
+    return torch.minimum(log_p.exp(), log_q.exp()).sum(-1)
+
+
+def ce(z, labels, z_t, T):
+    """``-log q_y`` at temperature 1 (the DFlash, EAGLE-3 and Medusa papers)."""
+    return F.cross_entropy(z, labels, reduction="none")
+
+
+def kl(z, labels, z_t, T):
+    """``KL(p || q)`` (speculators' ``kl_div``)."""
+    log_p, log_q = _distributions(z, z_t, T)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def rkl(z, labels, z_t, T):
+    """``KL(q || p)`` (speculators' ``rkl``)."""
+    log_p, log_q = _distributions(z, z_t, T)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+def jsd(z, labels, z_t, T):
+    """``(KL(p || m) + KL(q || m)) / 2``, ``m = (p + q) / 2`` (speculators' ``jsd``)."""
+    log_p, log_q = _distributions(z, z_t, T)
+    log_m = torch.logaddexp(log_p, log_q) - math.log(2)
+    return ((log_p.exp() * (log_p - log_m)).sum(-1) + (log_q.exp() * (log_q - log_m)).sum(-1)) / 2
+
+
+def tv(z, labels, z_t, T):
+    """``1 - alpha``, the total variation distance (speculators' ``tv``; DSpark's loss)."""
+    return 1 - _alpha(z, z_t, T)
+
+
+def lk_alpha(z, labels, z_t, T):
+    """``-log alpha`` (LK losses, arXiv 2602.23881; speculators' ``nla``)."""
+    return -torch.log(_alpha(z, z_t, T) + 1e-8)
+
+
+def lk_hybrid(z, labels, z_t, T):
+    """``lam KL(p || q) + (1 - lam)(1 - alpha)``, ``lam = exp(-3 alpha)`` detached (speculators' ``lk_hybrid``)."""
+    alpha = _alpha(z, z_t, T)
+    lam = torch.exp(-LK_HYBRID_SCALE * alpha).detach()
+    return lam * kl(z, labels, z_t, T) + (1 - lam) * (1 - alpha)
+
+
+OBJECTIVES: dict[str, Reference] = {"ce": ce, "kl": kl, "rkl": rkl, "jsd": jsd, "tv": tv, "lk_alpha": lk_alpha,
+                                    "lk_hybrid": lk_hybrid}
+"""Every per-position objective ``<drafter>.loss`` names (alone, or weighted in a mapping), by name: its reference
+function. Anything but ``ce`` reads the target's distribution."""
+
+FAST = frozenset(OBJECTIVES)
+"""The objectives :func:`losses_and_grads` makes in closed form (each checked against its reference)."""
 
 
 class PositionWeights(Choice):
@@ -86,11 +157,11 @@ def loss_mix(value: Any, where: str) -> dict[str, float]:
     name, a weight that is not a positive number, or an empty mapping."""
     mix = {value: 1.0} if isinstance(value, str) else dict(value) if hasattr(value, "items") else None
     if not mix:
-        raise ValueError(f"{where}={value!r}: give one of {', '.join(LOSSES)} or a mapping of them to weights, "
+        raise ValueError(f"{where}={value!r}: give one of {', '.join(OBJECTIVES)} or a mapping of them to weights, "
                          f"e.g. {{ce: 0.1, tv: 0.9}}")
-    bad = [k for k in mix if k not in LOSSES]
+    bad = [k for k in mix if k not in OBJECTIVES]
     if bad:
-        raise ValueError(f"{where}: unknown objective {bad} (known: {', '.join(LOSSES)})")
+        raise ValueError(f"{where}: unknown objective {bad} (known: {', '.join(OBJECTIVES)})")
     weights = {}
     for name, weight in mix.items():
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
@@ -144,8 +215,8 @@ def add_noise(features: torch.Tensor, std: float) -> torch.Tensor:
 
 def position_losses(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None,
                     mix: dict[str, float], temperature: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The objective ``mix`` at each of ``N`` positions, differentiable in ``logits`` (by the closed-form gradient
-    of :func:`losses_and_grads`, on copies of the inputs).
+    """The objective ``mix`` at each of ``N`` positions, differentiable in ``logits`` (by
+    :func:`objective_and_grads`: the closed-form gradient where it exists, on copies of the inputs).
 
     Args:
         logits: ``[N, V]`` float32, the drafter's; labels: ``[N]`` int64 (for ``ce``).
@@ -162,8 +233,8 @@ class _PositionLosses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, target_logits, mix, temperature):
         copy = lambda t: None if t is None else t.detach().to(torch.float32, copy=True)  # noqa: E731
-        loss, _, alpha, grad = losses_and_grads(copy(logits), labels, copy(target_logits), mix, temperature,
-                                                grad=ctx.needs_input_grad[0])
+        loss, _, alpha, grad = objective_and_grads(copy(logits), labels, copy(target_logits), mix, temperature,
+                                                   grad=ctx.needs_input_grad[0])
         ctx.save_for_backward(grad)
         ctx.dtype = logits.dtype
         alpha = loss.new_empty(0) if alpha is None else alpha
@@ -174,6 +245,31 @@ class _PositionLosses(torch.autograd.Function):
     def backward(ctx, grad_loss, _):
         (grad,) = ctx.saved_tensors
         return (grad * grad_loss[:, None]).to(ctx.dtype), None, None, None, None
+
+
+def objective_and_grads(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None,
+                        mix: dict[str, float], temperature: float, grad: bool = True):
+    """:func:`losses_and_grads` (closed form, in the inputs' storage) when every objective of ``mix`` is in
+    :data:`FAST`, else :func:`reference_losses_and_grads` (autograd on the references); the same arguments and
+    returns."""
+    fast = set(mix) <= FAST
+    return (losses_and_grads if fast else reference_losses_and_grads)(logits, labels, target_logits, mix,
+                                                                         temperature, grad)
+
+
+def reference_losses_and_grads(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None,
+                               mix: dict[str, float], temperature: float, grad: bool = True):
+    """:func:`losses_and_grads`' returns (``loss``, ``ce``, ``alpha``, ``grad``) made by autograd through the
+    objectives' reference functions (:data:`OBJECTIVES`): any objective, at the memory and time of autograd on
+    ``[N, V]`` logits. The inputs are left as they are."""
+    z = logits.detach().float().requires_grad_(grad)
+    z_t = None if target_logits is None else target_logits.detach().float()
+    with torch.enable_grad() if grad else torch.no_grad():
+        loss = sum(weight * OBJECTIVES[name](z, labels, z_t, temperature) for name, weight in mix.items())
+        g = torch.autograd.grad(loss.sum(), z)[0] if grad else None
+    with torch.no_grad():
+        alpha = None if z_t is None else _alpha(z, z_t, temperature)
+        return loss.detach(), ce(z, labels, None, 1.0), alpha, g
 
 
 def losses_and_grads(logits: torch.Tensor, labels: torch.Tensor, target_logits: torch.Tensor | None,
@@ -226,7 +322,7 @@ def losses_and_grads(logits: torch.Tensor, labels: torch.Tensor, target_logits: 
         if grad:
             q[rows, labels] -= 1
         return ce, ce, None, q if grad else None
-    w = {name: mix.get(name, 0.0) for name in LOSSES}
+    w = {name: mix.get(name, 0.0) for name in FAST}
     q1 = lse = None
     if T != 1:  # ce's own logsumexp and softmax, at temperature 1
         if w["ce"] and grad:
@@ -287,7 +383,10 @@ def logit_buffers(mix: dict[str, float], temperature: float, target: bool) -> in
     """How many ``[N, V]`` float32 tensors :func:`losses_and_grads` holds at once, its inputs included: 1 for
     ``ce`` alone; with the target's logits ``q``, ``p`` and a scratch tensor (the gradient), the log-softmaxes'
     difference for ``kl``, ``rkl``, ``jsd`` and ``lk_hybrid``, ``log(q / m)`` for ``jsd``, and ``softmax(z)`` for
-    ``ce`` at a temperature other than 1."""
+    ``ce`` at a temperature other than 1; autograd through the references (a mix outside :data:`FAST`) holds
+    about two per objective besides the inputs and the gradient."""
+    if not set(mix) <= FAST:
+        return 3 + 2 * len(mix)
     if not target:
         return 1
     log = any(name in mix for name in ("kl", "rkl", "jsd", "lk_hybrid"))

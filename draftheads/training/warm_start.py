@@ -4,7 +4,7 @@ The source is a finished run's folder (its saved drafter, read as the run's own 
 export folder in a format draftheads writes (``export/`` of a run: vLLM/SGLang EAGLE-3, z-lab-style DFlash,
 DSpark's, Medusa's vLLM and TGI layouts, or draftheads' ``medusa_heads``), read by the drafter's strict loader.
 
-- Checked when the job opens (:meth:`~draftheads.training.recipe.Recipe.check`), before any row is regenerated
+- Checked when the job opens (:meth:`~draftheads.drafters.contract.Recipe.check`), before any row is regenerated
   or any target state computed: a source made for a target of other sizes (hidden size, vocabulary, decoder
   layers), reading other target layers, or of another depth, head count or draft vocabulary is refused with a
   ``ValueError`` naming the key, the file and both values (:func:`check_source`).
@@ -33,11 +33,8 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from draftheads.run_folder import CONFIG, check_saved
 from draftheads.training.checkpoint import complete_checkpoints
-from draftheads.training.ledger import check_saved
-
-RUN_CONFIG = "config.yaml"
-"""What marks a folder as a run (the config every run saves); any other folder is read as an export."""
 
 
 @dataclass
@@ -113,8 +110,8 @@ def _read_source(recipe, conf, target) -> Source:
     candidates = {r.name: r for r in (recipe, *recipe.bases)}
     if not path.exists():
         raise FileNotFoundError(_missing(recipe, key, path))
-    if (path / RUN_CONFIG).is_file():
-        name = OmegaConf.load(path / RUN_CONFIG).get("drafter")
+    if (path / CONFIG).is_file():
+        name = OmegaConf.load(path / CONFIG).get("drafter")
         if name not in candidates:
             raise ValueError(f"{key}={path}: a run of drafter {name!r}; {recipe.name} starts from runs or exports of "
                              f"{sorted(candidates)}")
@@ -131,7 +128,7 @@ def _read_source(recipe, conf, target) -> Source:
             errors.append(f"read as {name}: {e}")
             kinds.add(type(e))
     error = FileNotFoundError if kinds == {FileNotFoundError} else ValueError
-    raise error(f"{key}={path}: not a run folder (no {RUN_CONFIG}) nor an export {recipe.name} starts from "
+    raise error(f"{key}={path}: not a run folder (no {CONFIG}) nor an export {recipe.name} starts from "
                 f"({'; '.join(errors)})")
 
 

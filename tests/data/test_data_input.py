@@ -9,17 +9,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from draftheads.data.conversations import BadRow, Chat, load_chats
+from draftheads.data.generation import GenerationSettings
+from draftheads.data.pipeline import self_distilled_rows
+from draftheads.data.regenerate import OpenAIBackend, answer_turns
+from draftheads.data.sources import PromptSource
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from draftheads.data.conversations import BadRow, Chat, load_chats
-from draftheads.data.pipeline import self_distilled_rows
-from draftheads.data.regenerate import GenerationSettings, OpenAIBackend, answer_turns
-from draftheads.data.sources import PromptSource
 from draftheads.drafters import register_configs
 from draftheads.training.config import DataConfig
 from tests.helpers import CONF, launch_cmd, launch_env
-
 
 register_configs()
 

@@ -7,18 +7,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from draftheads.data.hidden_states import attach_hidden_states
+from draftheads.data.state_cache import (
+    CacheSpec,
+    cache_spec,
+    estimated_bytes,
+    footprint,
+    forward_states,
+    read_cache,
+    source_dtype,
+    write_cache,
+    write_manifest,
+)
+from draftheads.models.target import record_layer_outputs
 from safetensors.torch import load_file, save_file
 
-from draftheads.data.hidden_states import attach_hidden_states
-from draftheads.data.state_cache import (CacheSpec, cache_spec, estimated_bytes, footprint, forward_states,
-                                         read_cache, source_dtype, write_cache, write_manifest)
 from draftheads import drafters
 from draftheads.jobs.cache import cache_states
 from draftheads.runs.life import train
-from draftheads.models.target import record_layer_outputs
-from tests.helpers import (SMOKE_STAGES, VLLM_TINY, VLLM_VENV, launch_cmd, launch_env, run_dflash, run_eagle3,
-                           run_medusa, smoke)
-
+from tests.helpers import (
+    SMOKE_STAGES,
+    VLLM_TINY,
+    VLLM_VENV,
+    launch_cmd,
+    launch_env,
+    run_dflash,
+    run_eagle3,
+    run_medusa,
+    short_settings,
+    smoke,
+)
 
 
 def rows_of(lengths, vocab, seed=1):
@@ -274,7 +292,7 @@ def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_d
     """target_backend=vllm: vLLM's states (its layer ids mapped to ours, the last state normed here) equal the
     in-process target's within float32 noise, in a cache training accepts; a run on the partial target trained
     from it follows the run trained from the in-process cache."""
-    own = [*drafters.get(job).short, *VLLM_TINY, "eval.enabled=false", "data.target_states_dtype=float32",
+    own = [*short_settings(job), *VLLM_TINY, "eval.enabled=false", "data.target_states_dtype=float32",
            "data.cache_shard_rows=16"]
     ours, theirs = tmp_path / "hs-transformers", tmp_path / "hs-vllm"
     cache_states(smoke(job, tmp_path / "a", cache_dir, *own, f"data.target_states_dir={ours}"))

@@ -9,21 +9,28 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from draftheads.data.hidden_states import layer_features
+from draftheads.models.speculative import Proposal, Sampling, plain_decode, speculative_decode
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from draftheads.data.hidden_states import layer_features
 from draftheads.drafters.dflash.model import block_states, choose_mask_token, sample_anchors
 from draftheads.drafters.dspark.adaptive import AdaptiveDSparkDrafter, verify_budget
 from draftheads.drafters.dspark.export import KEYS, expected_shapes, export_dspark, load_dspark
-from draftheads.drafters.dspark.model import MARKOV_HEADS, DSparkDraftModel, DSparkDrafter, block_targets, dspark_loss
+from draftheads.drafters.dspark.model import MARKOV_HEADS, DSparkDrafter, DSparkDraftModel, block_targets, dspark_loss
 from draftheads.drafters.dspark.recipe import DSPARK
 from draftheads.drafters.dspark.training import DSparkTraining
-from draftheads.models.speculative import Proposal, Sampling, plain_decode, speculative_decode
 from draftheads.training.config import to_schema
 from draftheads.training.objectives import Objective
-from tests.helpers import VLLM_VENV, assert_packed_trains_as_padded, chi2_rejects, exact_joint, feature_rows, \
-    pair_counts, smoke
+from tests.helpers import (
+    VLLM_VENV,
+    assert_packed_trains_as_padded,
+    chi2_rejects,
+    exact_joint,
+    feature_rows,
+    pair_counts,
+    smoke,
+)
 
 LAYERS = [0, 2, 3]
 DECAY = math.exp(-1 / 4)
@@ -499,6 +506,7 @@ def test_adaptive_verification_reports_its_verified_drafts(tiny, drafter):
     """The evaluator's keys: tau, verified drafts per step (gamma under fixed-length verification, fewer under
     adaptive) and accepted per verified draft; alpha counts only the steps that verified the position."""
     from draftheads.data.regenerate import prompt_ids
+
     from draftheads.evaluation.evaluator import acceptance
     model, tok = tiny
     ids = torch.tensor(prompt_ids(tok, "Tell me something about the weather today"))
@@ -517,7 +525,7 @@ def test_adaptive_verification_reports_its_verified_drafts(tiny, drafter):
 def test_the_recipe_measures_adaptive_verification_beside_the_chain(tiny, drafter, tmp_path, cache_dir):
     """``dspark_adaptive`` is a peer at every temperature with a confidence head and dspark.adaptive_verification;
     none without either."""
-    from draftheads.training.recipe import Trained
+    from draftheads.drafters.contract import Trained
     model, tok = tiny
     conf = lambda *o: to_schema(smoke("dspark", tmp_path, cache_dir, *o))  # noqa: E731
     for sampling in (Sampling(), Sampling(temperature=0.7)):
@@ -602,8 +610,8 @@ def test_gated_and_recurrent_exports_round_trip_and_are_refused_for_vllm(tiny, t
     """The export holds DeepSpec's tensor names and type; draftheads' loader reads it back, drafting the same;
     vllm_config refuses it (vLLM builds the vanilla head only) and serving.json says no server checked loads it;
     the vanilla export is unchanged (the round-trip test above)."""
+    from draftheads.drafters.contract import Trained
     from draftheads.drafters.dspark.serving import OTHER_HEADS
-    from draftheads.training.recipe import Trained
     model, tok = tiny
     d = _head(model, tok, kind).eval()
     out = export_dspark(d, tmp_path / "dspark")

@@ -7,16 +7,16 @@ from dataclasses import replace
 
 import pytest
 import torch
-from omegaconf import OmegaConf
-
 from draftheads.data.conversations import long_prompts, prompt_pieces
 from draftheads.data.regenerate import prompt_ids, prompt_messages
 from draftheads.data.sources import Prompt
-from draftheads.evaluation.context import by_context_length
-from draftheads.evaluation.evaluator import format_table, summarize, write_report
-from draftheads.evaluation.methods import load_eval_sets
 from draftheads.models.speculative import DecodeResult, plain_decode, speculative_decode
 from draftheads.models.tree import Tree, tree_decode
+from omegaconf import OmegaConf
+
+from draftheads.evaluation.context import by_context_length
+from draftheads.evaluation.evaluator import format_table, summarize, write_report_and_plot
+from draftheads.evaluation.methods import load_eval_sets
 from draftheads.training.config import EvalConfig, EvalSetConfig, to_schema
 from tests.helpers import StubDrafter, run_medusa, smoke
 
@@ -153,7 +153,7 @@ def test_the_report_prints_and_plots_tau_by_context(tmp_path):
     sets = {"long": m, "short": short, "short@T0.7": short}
     pooled = [line.split()[2:] for line in format_table(sets).splitlines() if line.startswith("all sets ")]
     assert pooled == [["medusa_chain", "3.67", "(3)", "3.00", "(1)", "1.00", "(1)"]]  # 1 + (4 + 1 + 3) / 3
-    write_report({"eval": sets}, tmp_path)
+    write_report_and_plot({"eval": sets}, tmp_path)
     assert (tmp_path / "acceptance.png").exists()
     assert json.loads((tmp_path / "report.json").read_text())["eval"]["long"]["by_context_length"][1]["steps"] == 1
 

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from draftheads.jobs.cli import parse_args
+from draftheads.run_folder import finished_steps
 from tests.helpers import run_dflash, run_medusa, smoke
 
 pytestmark = pytest.mark.slow  # training jobs on bad data
@@ -35,7 +36,7 @@ def test_a_run_that_failed_on_bad_data_does_not_block_the_corrected_rerun(tmp_pa
         run_medusa(smoke("medusa", out, cache_dir, *bad, *short))
     good = tokenized(tmp_path / "good.jsonl", [(30, 20)] * 11)
     report = run_medusa(smoke("medusa", out, cache_dir, *good, *short))
-    assert report["finished"] == ["training", "validation", "save", "export"] and report["data"]["rows_out"] == 11
+    assert finished_steps(out) == ["training", "validation", "save", "export"] and report["data"]["rows_out"] == 11
 
 
 def test_rows_a_dflash_block_cannot_train_on_are_skipped_and_counted(tmp_path, cache_dir):
@@ -46,7 +47,7 @@ def test_rows_a_dflash_block_cannot_train_on_are_skipped_and_counted(tmp_path, c
                               "eval.peer_runs=[]"))
     assert report["data"]["skipped"] == {"unusable_row": 8} and report["data"]["rows_out"] == 17
     assert "no two consecutive trainable tokens" in report["data"]["examples"]["unusable_row"]
-    assert report["finished"] == ["training", "validation", "save", "export"]
+    assert finished_steps(tmp_path / "run") == ["training", "validation", "save", "export"]
 
 
 def test_a_block_size_without_a_known_position_decay_fails_before_the_data(tmp_path, cache_dir):

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from draftheads.jobs.cache import cache_states
+from draftheads.run_folder import finished_steps
 from draftheads.runs.output_dir import claim_output_dir
 from tests.helpers import run_medusa, smoke
 
@@ -80,8 +81,8 @@ def test_the_state_cache_and_its_training_run_share_one_output_dir_and_no_cache_
              "data.num_val_prompts=4", "data.target_states_dtype=float32"]
     for _ in range(2):
         cache_states(smoke("medusa", out, cache_dir, *short))
-    report = run_medusa(smoke("medusa", out, cache_dir, *short, "data.target_states=disk"))
-    assert report["finished"] == ["training", "validation", "save", "export"]
+    run_medusa(smoke("medusa", out, cache_dir, *short, "data.target_states=disk"))
+    assert finished_steps(out) == ["training", "validation", "save", "export"]
     record = {name: (out / name).read_bytes() for name in ("config.yaml", "target.json")}
     with pytest.raises(FileExistsError, match="holds a training run .*: overwrite=true starts afresh there") as refused:
         cache_states(smoke("medusa", out, cache_dir, *short, "model.tiny.hidden_size=32"))

@@ -1,6 +1,6 @@
 """What every registered drafter's job does alike: parametrized over the registry (``draftheads.drafters.DRAFTERS``),
-never over a list of names, each drafter's job made short by its recipe's own settings (``Recipe.short``), so a
-new drafter is tested here with no edit, never silently absent."""
+never over a list of names, each drafter's job made short by its line of ``tests/helpers.py SHORT``, so a new
+drafter is tested here once it has that line (a drafter without one fails, named), never silently absent."""
 
 import math
 import re
@@ -14,16 +14,14 @@ from draftheads.runs.life import train
 from draftheads.training import lm_head_loss
 from draftheads.training.config import to_schema
 from draftheads.training.lm_head_loss import linear_loss
-from tests.helpers import smoke
+from tests.helpers import short_settings, smoke
 
 
 @pytest.mark.parametrize("job", sorted(drafters.DRAFTERS))
-def test_every_registered_drafter_declares_short_settings_its_job_takes(job):
-    """``Recipe.short`` is the drafter's own (a subclass, as DSpark of DFlash, declares its own keys) and
-    composes with the smoke job: unknown keys fail here, before any suite runs it."""
-    recipe = drafters.get(job)
-    assert "short" in vars(type(recipe)) and recipe.short, f"{job} declares no short settings"
-    conf = to_schema(smoke(job, "out", "cache", *recipe.short))
+def test_every_registered_drafter_has_short_settings_its_job_takes(job):
+    """Every registered drafter has its line in ``tests/helpers.py SHORT`` (a new one without fails here, naming
+    it) and it composes with the smoke job: unknown keys fail here, before any suite runs it."""
+    conf = to_schema(smoke(job, "out", "cache", *short_settings(job)))
     assert conf.drafter == job and conf.eval.peer_runs == []
 
 
@@ -34,7 +32,7 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     target's dtype, as a server runs them (float32 drafters met bf16 target states in validation before)."""
     report = train(job, smoke(job, tmp_path, cache_dir, "model.dtype=bfloat16", "eval.max_new_tokens=8",
                               "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 1}]",
-                              *drafters.get(job).short))
+                              *short_settings(job)))
     assert report["dtype"] == "bfloat16" and report["drafter"] == job
     assert report["validation"] and all(math.isfinite(v) for v in report["validation"].values())
     assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
@@ -67,7 +65,7 @@ def test_a_distillation_objective_reads_the_targets_distribution_where_the_draft
 
     monkeypatch.setattr(lm_head_loss, "linear_loss", recording)
     report = train(job, smoke(job, tmp_path, cache_dir, f"{job}.loss=kl", f"{job}.position_weights=dpace",
-                              "eval.max_new_tokens=8", *drafters.get(job).short))
+                              "eval.max_new_tokens=8", *short_settings(job)))
     assert sum(total) > 100 and sum(agree) / sum(total) > 0.9, (sum(agree), sum(total))
     stage, curve = next(iter(report["train_curves"].items()))  # later stages' few steps start where it ended
     losses = [h[f"{stage}/loss"] for h in curve]

@@ -6,16 +6,16 @@ import json
 
 import pytest
 import torch
+from draftheads.data.state_cache import weights_fingerprint
+from draftheads.models.partial import hold_layers, is_partial, load_partial_model, part_names, save_partial
+from draftheads.models.target import TargetSpec, decoder_layers, load_target, weights_sample
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from draftheads.data.state_cache import weights_fingerprint
 from draftheads import drafters
 from draftheads.jobs.cache import cache_states
 from draftheads.runs.life import train
-from draftheads.models.partial import hold_layers, is_partial, load_partial_model, part_names, save_partial
-from draftheads.models.target import TargetSpec, decoder_layers, load_target, weights_sample
-from tests.helpers import SMOKE_STAGES, launch, run_dflash, run_medusa, smoke
+from tests.helpers import SMOKE_STAGES, launch, run_dflash, run_medusa, short_settings, smoke
 
 pytestmark = pytest.mark.slow  # cache and training jobs of every drafter, a 2-process FSDP2 launch
 
@@ -51,7 +51,7 @@ def _no_whole_target(monkeypatch):
 
 
 def _job(job, out, cache_dir, hs, *overrides):
-    return smoke(job, out, cache_dir, *drafters.get(job).short, "eval.enabled=false", f"data.target_states_dir={hs}",
+    return smoke(job, out, cache_dir, *short_settings(job), "eval.enabled=false", f"data.target_states_dir={hs}",
                  "data.target_states_dtype=float32", *overrides)
 
 

@@ -8,11 +8,10 @@ import json
 import pytest
 
 from draftheads import drafters
+from draftheads.run_folder import LEDGER, STEPS, check_saved, finished_steps, read_ledger, record_finished, start_ledger
 from draftheads.runs import life
 from draftheads.runs.output_dir import RUN_ENTRIES, claim_output_dir, run_marks
 from draftheads.runs.saved import check_finished
-from draftheads.training.ledger import (LEDGER, STEPS, check_saved, finished_steps, read_ledger, record_finished,
-                                        start_ledger)
 from tests.helpers import smoke
 
 ALL = list(STEPS)

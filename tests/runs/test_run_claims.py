@@ -10,9 +10,9 @@ import pytest
 
 from draftheads import drafters
 from draftheads.jobs.evaluate import evaluate_run
+from draftheads.run_folder import LEDGER, finished_steps, record_finished
 from draftheads.runs import life
 from draftheads.runs.output_dir import lock_output_dir, release
-from draftheads.training.ledger import LEDGER, record_finished
 from tests.helpers import run_medusa, smoke
 
 pytestmark = pytest.mark.slow  # whole smoke jobs on the tiny target
@@ -87,9 +87,9 @@ def test_resume_and_overwrite_together_are_refused(tmp_path, cache_dir, monkeypa
 
 def test_resume_on_a_folder_without_a_run_says_it_starts_afresh(tmp_path, cache_dir, capsys):
     """Row 14: it trained from scratch without a word."""
-    report = run_medusa(smoke("medusa", tmp_path / "run", cache_dir, *SHORT, "resume=true", "eval.enabled=false"))
+    run_medusa(smoke("medusa", tmp_path / "run", cache_dir, *SHORT, "resume=true", "eval.enabled=false"))
     assert "holds no checkpoint to continue from: starting afresh" in capsys.readouterr().out
-    assert report["finished"] == ["training", "validation", "save", "export"]
+    assert finished_steps(tmp_path / "run") == ["training", "validation", "save", "export"]
 
 
 @pytest.mark.parametrize("name, text", [("config.yaml", "learning_rate: 3\n"), ("notes.txt", "mine")])

@@ -17,12 +17,12 @@ from accelerate import Accelerator
 from safetensors.torch import load_file
 from torch import nn
 
+from draftheads.run_folder import finished_steps
+from draftheads.runs.output_dir import check_writable
 from draftheads.training.checkpoint import complete_checkpoints, latest_checkpoint
 from draftheads.training.config import StageConfig, TrainerConfig
-from draftheads.runs.output_dir import check_writable
 from draftheads.training.spine import fit
 from tests.helpers import ROOT, SMOKE_STAGES, cut_back, launch_cmd, launch_env, run_medusa, smoke
-
 
 
 class ToyStrategy:
@@ -200,7 +200,7 @@ def test_a_job_resumes_before_a_damaged_checkpoint_and_refuses_another_seed(tmp_
         run_medusa(smoke("medusa", cut, cache_dir, *overrides, "resume=true", "trainer.seed=1"))
     with pytest.warns(UserWarning, match="stage1-step000010 is damaged: model.safetensors"):
         report = run_medusa(smoke("medusa", cut, cache_dir, *overrides, "resume=true"))
-    assert report["resumed_from"].endswith("stage1-step000005") and report["finished"][0] == "training"
+    assert report["resumed_from"].endswith("stage1-step000005") and finished_steps(cut)[0] == "training"
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from draftheads.runs import life as train_job
 from draftheads.runs.life import train
 from draftheads.training.config import DrafterConfig, to_schema
 from draftheads.training.warm_start import Source, load_source
-from tests.helpers import cut_back, smoke
+from tests.helpers import cut_back, short_settings, smoke
 
 STILL = ("trainer.lr=1e-12", "trainer.warmup_ratio=0", "eval.enabled=false")
 """A run whose steps leave the weights where they started (AdamW moves each by about lr): what it saves is what it
@@ -26,8 +26,8 @@ layers again from the base target's)."""
 
 
 def short(job: str) -> tuple[str, ...]:
-    """The drafter's short settings (``Recipe.short``) for these tests."""
-    return (*drafters.get(job).short, *ONE_STAGE.get(job, ()))
+    """The drafter's short settings (``tests/helpers.py SHORT``) for these tests."""
+    return (*short_settings(job), *ONE_STAGE.get(job, ()))
 
 
 def saved_tensors(run: Path, recipe) -> dict[str, torch.Tensor]:
@@ -104,7 +104,7 @@ def test_a_warm_start_begins_where_its_source_ended(job, kind, sources, tmp_path
     the source's (its steps move nothing), so its held-out loss is the source's; the report says what was loaded."""
     recipe, src = drafters.get(job), sources(job)
     path = src if kind == "run" else src / recipe.vllm_weights
-    got = train(job, smoke(job, tmp_path, cache_dir, *recipe.short, *STILL, f"{job}.init_from={path}"))
+    got = train(job, smoke(job, tmp_path, cache_dir, *short_settings(job), *STILL, f"{job}.init_from={path}"))
     init, mine = got["init_from"], saved_tensors(tmp_path, recipe)
     theirs = saved_tensors(src, recipe)
     assert mine.keys() == theirs.keys()

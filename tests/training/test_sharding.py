@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file
 
 from draftheads import drafters
-from draftheads.training.ledger import record_finished
-from draftheads.training.recipe import FeatureRecipe
-from tests.helpers import ENGINES, SMOKE_STAGES, greedy_lossless, launch, launch_cmd, launch_env
+from draftheads.drafters.contract import FeatureRecipe
+from draftheads.run_folder import record_finished
+from tests.helpers import ENGINES, SMOKE_STAGES, greedy_lossless, launch, launch_cmd, launch_env, short_settings
 
 pytestmark = pytest.mark.slow  # 2-process launches under every engine
 
@@ -115,7 +115,7 @@ def ddp_feature_runs(tmp_path_factory, cache_dir):
 
 
 def feature_overrides(job: str) -> list[str]:
-    return [*drafters.get(job).short, "trainer.mixed_precision=no", "trainer.optimizer=adamw"]  # Muon: DDP only
+    return [*short_settings(job), "trainer.mixed_precision=no", "trainer.optimizer=adamw"]  # Muon: DDP only
 
 
 @pytest.mark.parametrize("engine, target_states", [("fsdp", "memory"),
@@ -190,7 +190,7 @@ def test_muon_under_a_sharding_engine_is_refused_before_the_target_loads(tmp_pat
     """EAGLE-3's job defaults to Muon, which FSDP and DeepSpeed cannot run: launched under FSDP it stops as the
     accelerator is set up, naming the fix, before loading the target."""
     cmd = launch_cmd("eagle3", [*ENGINES["fsdp"], "--num_processes", "1"], "+experiment=smoke",
-                     *drafters.get("eagle3").short, f"output_dir={tmp_path}")
+                     *short_settings("eagle3"), f"output_dir={tmp_path}")
     proc = subprocess.run(cmd, env=launch_env(cache_dir, "fsdp"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "trainer.optimizer=muon is not supported under FSDP or DeepSpeed" in proc.stderr

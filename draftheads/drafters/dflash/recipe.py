@@ -9,24 +9,28 @@ from dataclasses import replace
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
+from draftheads.drafters.contract import FeatureRecipe, Trained
 from draftheads.drafters.dflash.config import DFlashConfig, DFlashRunConfig
 from draftheads.drafters.dflash.export import export_dflash, load_dflash
-from draftheads.drafters.dflash.model import (DFlashDraftModel, DFlashDrafter, choose_mask_token, paper_decay,
-                                              default_target_layer_ids)
+from draftheads.drafters.dflash.model import (
+    DFlashDrafter,
+    DFlashDraftModel,
+    choose_mask_token,
+    default_target_layer_ids,
+    paper_decay,
+)
 from draftheads.drafters.dflash.serving import SERVING
 from draftheads.drafters.dflash.training import DFlashTraining
-from draftheads.evaluation.preflight import Expect
 from draftheads.models.speculative import Sampling, speculative_decode
-from draftheads.training.recipe import FeatureRecipe, Trained
+from draftheads.serving.preflight import Expect
 
 
 class DFlash(FeatureRecipe):
-    """The DFlash recipe (see :class:`draftheads.training.recipe.FeatureRecipe`)."""
+    """The DFlash recipe (see :class:`draftheads.drafters.contract.FeatureRecipe`)."""
     name = "dflash"
     schema = DFlashRunConfig
     serving = SERVING
     methods = ("dflash", r"dflash_denoise\d+")
-    short = ("train.epochs=1", "dflash.block_size=8", "eval.peer_runs=[]")
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:
         """K = ``dflash.num_target_features`` layers spaced from 1 to L-3, as the paper's."""

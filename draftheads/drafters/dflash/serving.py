@@ -1,9 +1,9 @@
 """DFlash's row of the serving matrix (``docs/serving.md``): which server loads ``export/dflash``, each cell with
-the line of that server's source read at the versions :data:`~draftheads.evaluation.serving.SERVERS` names."""
+the line of that server's source read at the versions :data:`~draftheads.serving.matrix.SERVERS` names."""
 
 from __future__ import annotations
 
-from draftheads.evaluation.serving import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
 
 SPEC = "'{\"method\": \"dflash\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
 NO_GEMMA3 = "not for a Gemma 3 target (docs/targets.md)"

@@ -11,17 +11,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
+from draftheads.drafters.contract import Trained
 from draftheads.drafters.dflash.model import choose_mask_token, default_target_layer_ids
 from draftheads.drafters.dflash.recipe import DFLASH, DFlash
 from draftheads.drafters.dspark.adaptive import AdaptiveDSparkDrafter
 from draftheads.drafters.dspark.config import DSparkConfig, DSparkRunConfig
 from draftheads.drafters.dspark.export import export_dspark, load_dspark
-from draftheads.drafters.dspark.model import DSparkDraftModel, DSparkDrafter
+from draftheads.drafters.dspark.model import DSparkDrafter, DSparkDraftModel
 from draftheads.drafters.dspark.serving import OTHER_HEADS, SERVING
 from draftheads.drafters.dspark.training import DSparkTraining, reads_target
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.training.objectives import loss_mix
-from draftheads.training.recipe import Trained
 
 DEEPSPEC_DECAY = math.exp(-1 / 4)
 """DeepSpec's ``loss_decay_gamma=4`` (position k weighs ``exp(-k/4)``) as ``position_decay``."""
@@ -39,7 +39,6 @@ class DSpark(DFlash):
     """The heads DFlash has not: fresh when the source lacks them (a DFlash drafter, or a DSpark one without a
     confidence head)."""
     methods = ("dspark", "dspark_adaptive")
-    short = ("train.epochs=1", "eval.peer_runs=[]")
 
     def default_layers(self, conf: DSparkRunConfig, target) -> list[int]:
         """K = ``dspark.num_target_features`` layers spaced from 1 to L-3, as DFlash's (DeepSpec's

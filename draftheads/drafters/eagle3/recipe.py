@@ -7,24 +7,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from draftheads.drafters.contract import FeatureRecipe, Trained
 from draftheads.drafters.eagle3.config import Eagle3RunConfig
 from draftheads.drafters.eagle3.export import export_eagle3, load_eagle3
-from draftheads.drafters.eagle3.model import (NORM_FLAGS, Eagle3DraftModel, Eagle3Drafter, default_layer_ids,
-                                              draft_vocabulary, norm_flags)
+from draftheads.drafters.eagle3.model import (
+    NORM_FLAGS,
+    Eagle3Drafter,
+    Eagle3DraftModel,
+    default_layer_ids,
+    draft_vocabulary,
+    norm_flags,
+)
 from draftheads.drafters.eagle3.serving import FLAGS, RESIDUAL, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
-from draftheads.evaluation.preflight import Expect
-from draftheads.training.recipe import FeatureRecipe, Trained
+from draftheads.serving.preflight import Expect
 
 
 class Eagle3(FeatureRecipe):
-    """The EAGLE-3 recipe (see :class:`draftheads.training.recipe.FeatureRecipe`)."""
+    """The EAGLE-3 recipe (see :class:`draftheads.drafters.contract.FeatureRecipe`)."""
     name = "eagle3"
     schema = Eagle3RunConfig
     serving = SERVING
     methods = ("eagle3",)
-    short = ("train.epochs=1", "eagle3.ttt_steps=2", "eagle3.gamma=3", "eagle3.draft_vocab_size=256",
-             "eval.peer_runs=[]")  # a draft vocabulary under the target's: the d2t map is trained and exported
 
     def default_layers(self, conf: Eagle3RunConfig, target) -> list[int]:
         """:func:`default_layer_ids`: low, middle and high, as the servers default to."""

@@ -1,10 +1,10 @@
 """EAGLE-3's rows of the serving matrix (``docs/serving.md``): which server loads ``export/eagle3``, plain and
 with EAGLE-3.1's flags, each cell with the line of that server's source read at the versions
-:data:`~draftheads.evaluation.serving.SERVERS` names."""
+:data:`~draftheads.serving.matrix.SERVERS` names."""
 
 from __future__ import annotations
 
-from draftheads.evaluation.serving import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
 
 FLAGS = "EAGLE-3.1 flags"
 """The variant of an export with any of ``eagle3.{fc_norm,norm_before_fc,norm_output}`` on."""
@@ -41,7 +41,7 @@ EAGLE31 = Served("export/eagle3", "eagle3", {
                              ":252 (`norm_output`), applied at :405-418 (`input_norm.` weights dropped without "
                              "the flag, :464)",
                        VLLM_CPU, "parity with draftheads verified here with all three flags: "
-                                 "tests/evaluation/test_vllm_parity.py"),
+                                 "tests/serving/test_vllm_parity.py"),
     VLLM_033.key: Cell(True, "`model_executor/models/llama_eagle3.py:184-188`, :231, :252 (identical to 0.32's, "
                              "diffed)", VLLM_GPU, NO_GEMMA3),
     SGLANG_0523.key: Cell(True, "`srt/models/llama_eagle3.py:173-174` (`norm_before_fc`, from `eagle_config` first), "
@@ -54,8 +54,8 @@ EAGLE31 = Served("export/eagle3", "eagle3", {
 NORM_BEFORE_RESIDUAL = Served("export/eagle3", "eagle3", {
     VLLM_032.key: Cell(True, "`model_executor/models/llama_eagle3.py:101-122` (`norm_before_residual`: the residual "
                              "taken after `hidden_norm`)", VLLM_CPU,
-                       "its engine reports the key read as written (tests/evaluation/test_preflight.py) and parity "
-                       "with draftheads holds with it on (tests/evaluation/test_vllm_parity.py)"),
+                       "its engine reports the key read as written (tests/serving/test_preflight.py) and parity "
+                       "with draftheads holds with it on (tests/serving/test_vllm_parity.py)"),
     VLLM_033.key: Cell(True, "`model_executor/models/llama_eagle3.py:101-122` (identical to 0.32's, diffed)",
                        VLLM_GPU, NO_GEMMA3),
     SGLANG_0523.key: Cell(False, "`srt/models/llama_eagle3.py:98-100` takes the residual before `hidden_norm` "

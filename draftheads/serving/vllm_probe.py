@@ -2,7 +2,7 @@
 ``methods`` its ``SpeculativeConfig`` accepts (``vllm/config/speculative.py``: ``SpeculativeMethod``, a
 ``Literal`` of ``Literal`` aliases in 0.32 and 0.33).
 
-    <vllm venv>/bin/python draftheads/evaluation/vllm_probe.py
+    <vllm venv>/bin/python draftheads/serving/vllm_probe.py
 
 Read from the source without importing vLLM (an import takes ~13 s on 2 CPU cores); imported only when the source
 does not declare the methods that way. Standard library only; imports nothing from draftheads.

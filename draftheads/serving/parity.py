@@ -1,5 +1,5 @@
 """Parity with vLLM: our chain evaluator's outputs and acceptance counters beside vLLM's, for the same prompts
-and export (vLLM's side runs in its own environment, :mod:`draftheads.evaluation.vllm_runner`).
+and export (vLLM's side runs in its own environment, :mod:`draftheads.serving.vllm_runner`).
 
 tau = 1 + accepted / drafts and per-position acceptance = accepted at position i / drafts, both counted as vLLM
 counts them (accepted drafts counted before the token budget cuts them). Parity: every output identical and
@@ -36,7 +36,7 @@ def our_side(target, tokenizer, drafter, prompt_ids: list[list[int]], max_new_to
 
 
 def run_vllm(python: Path, job: dict) -> dict:
-    """Run :mod:`~draftheads.evaluation.vllm_runner` on ``job`` with the vLLM environment's ``python``; its
+    """Run :mod:`~draftheads.serving.vllm_runner` on ``job`` with the vLLM environment's ``python``; its
     result (outputs and vLLM's counters)."""
     return run_in_vllm(python, RUNNER, job)
 

@@ -16,10 +16,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from draftheads.evaluation.preflight import Expect
-from draftheads.evaluation.serving import Served, serving_record, served_target, write_serving
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
+from draftheads.run_folder import CONFIG
+from draftheads.serving.matrix import Served, served_target, serving_record, write_serving
+from draftheads.serving.preflight import Expect
 from draftheads.training.config import TargetStates
 from draftheads.training.held_out import held_out_metrics
 from draftheads.training.objectives import Objective, check_objective, with_last_layer
@@ -66,17 +67,12 @@ class Recipe:
     serving: tuple[Served, ...] = ()
     """Its rows of the serving matrix (``docs/serving.md``), declared in its folder's ``serving.py``: for each
     export folder it writes (and each variant of one), which server loads it, with the line of that server's
-    source that says so (:class:`~draftheads.evaluation.serving.Served`). :meth:`write_serving` writes them
+    source that says so (:class:`~draftheads.serving.matrix.Served`). :meth:`write_serving` writes them
     beside the run's exports; the vLLM jobs refuse a vLLM without its method from them."""
     methods: tuple[str, ...]
     """The report names of the decoding methods its runs offer, as regular expressions: its chain's (:meth:`chain`)
     and its peers' (:meth:`peers`). ``eval.peers`` is checked against every drafter's before any work
     (:func:`draftheads.drafters.check_method_names`)."""
-    short: tuple[str, ...]
-    """Hydra overrides that make its job short on a tiny target (``+experiment=smoke``: tests, smoke runs): every
-    stage for an epoch or less, its own sizes small, peer runs (which such a run has not made) off. The tests over
-    every drafter run its job with these and only keys every job declares, so a drafter is tested by declaring
-    them in its own folder."""
 
     bases: tuple[Recipe, ...] = ()
     """Drafters this one extends, whose runs and exports it can also start from (``<name>.init_from``: DSpark
@@ -203,8 +199,8 @@ class Recipe:
 
     def served_reads(self, conf, trained: Trained, target) -> dict[str, Expect]:
         """What vLLM's engine must read from ``trained``'s export, as this job means it: an
-        :class:`~draftheads.evaluation.preflight.Expect` per reading of
-        :func:`~draftheads.evaluation.vllm_runner.engine_reads`. Default: the method and :meth:`draft_length`."""
+        :class:`~draftheads.serving.preflight.Expect` per reading of
+        :func:`~draftheads.serving.vllm_runner.engine_reads`. Default: the method and :meth:`draft_length`."""
         return {"method": Expect(self.name, "speculative_config method"),
                 "num_speculative_tokens": Expect(self.draft_length(conf, trained),
                                                  "speculative_config num_speculative_tokens")}
@@ -228,7 +224,7 @@ class Recipe:
         """``serving.json`` beside each export folder of the run that it declares a row for (the folder holding
         its ``config.json``): per server the versions read, whether it loads it with the source line, and the
         serve command with the run's paths, relative to the run's folder (no export names a path of the machine
-        that made it; :func:`~draftheads.evaluation.serving.serving_record`). The target is the one
+        that made it; :func:`~draftheads.serving.matrix.serving_record`). The target is the one
         :meth:`target_of` serves the drafter with. Returns the files written."""
         run = Path(run_dir)
         target = served_target(run, self.target_of(run, conf).name_or_path)
@@ -301,7 +297,7 @@ class FeatureRecipe(Recipe):
     def read_saved(self, folder: Path, target) -> nn.Module:
         """:meth:`read_export` of ``folder``, or of its ``export/<name>`` when it is a run (its saved model)."""
         folder = Path(folder)
-        return self.read_export(folder / self.vllm_weights if (folder / "config.yaml").is_file() else folder, target)
+        return self.read_export(folder / self.vllm_weights if (folder / CONFIG).is_file() else folder, target)
 
     def init_fields(self, conf, target, model: nn.Module) -> dict[str, tuple]:
         """The target layers read: ``<name>.target_layer_ids`` (or their default)."""

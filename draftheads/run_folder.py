@@ -1,17 +1,21 @@
-"""The resume ledger: which steps of a run's end finished, in ``progress.json`` in the run folder, apart from
-the user's ``report.json``.
+"""A run's folder: the name of every entry a run writes, its ledger, its report. The one module that knows them
+(as nanochat's ``checkpoint_manager.py`` holds its checkpoint folder's), at the bottom of the house so that every
+layer reads a run through it.
+
+The ledger (``progress.json``) is the only record of which steps of a run finished:
 
     {"drafter": "dflash", "started": "2025-01-01T00:00:00+00:00", "finished": ["training", "validation", "save"]}
 
 A training run writes it empty as it starts (no ``resume``) and again, whole and atomically, as each step
-finishes (``training``, ``validation``, ``save``, ``export``, ``evaluation``). It is the only thing read back for
-which steps finished: a resumed run that has nothing left to do, a tool or peer run asking whether the save
-finished (:func:`~draftheads.runs.saved.check_finished`, warm starts), and whether an output_dir holds a run
-(:func:`~draftheads.runs.output_dir.run_marks`). It lives in the training layer because warm starts
-(:mod:`draftheads.training.warm_start`) read it too.
+finishes (``training``, ``validation``, ``save``, ``export``, ``evaluation``). It is what is read back for which
+steps finished: a resumed run that has nothing left to do, a tool or peer run asking whether the save finished
+(:func:`check_saved`; :func:`~draftheads.runs.saved.check_finished`, warm starts), and whether an output_dir
+holds a run (:func:`~draftheads.runs.output_dir.run_marks`). A run folder without one (made by an older version,
+which kept the list in ``report.json``'s ``finished``) is read from there (:func:`finished_steps`).
 
-A run folder without it (made by an older version) is read as before: ``report.json``'s ``finished``
-(:func:`finished_steps`).
+The report (``report.json``, the user's record: docs/report.md) is written whole and atomically by
+:func:`write_report` only, or read, updated and written back by :func:`update_report` (a preflight's refusal, a
+later evaluation).
 """
 
 from __future__ import annotations
@@ -21,8 +25,27 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+CONFIG = "config.yaml"
+"""The run's composed config (Hydra's, resolved), written when it opens."""
+
+TARGET = "target.json"
+"""What a run trained against (its identity and a sample of its weights), written beside :data:`CONFIG` when the
+run opens; peer runs are checked against it."""
+
 LEDGER = "progress.json"
-"""The ledger's file name in the run folder."""
+"""The ledger: which steps finished."""
+
+REPORT = "report.json"
+"""The report: what the run measured (docs/report.md)."""
+
+CHECKPOINTS = "checkpoints"
+"""Training checkpoints, one folder per saved step."""
+
+EXPORT = "export"
+"""Server formats of the drafter (and a trained target), one folder each."""
+
+PLOT = "acceptance.png"
+"""The evaluation's plot, beside the report."""
 
 STEPS = ("training", "validation", "save", "export", "evaluation")
 """Every step a run can finish, in order (a run finishes those its config asks for)."""
@@ -70,7 +93,7 @@ def finished_steps(out: Path) -> list[str] | None:
     ledger = read_ledger(out)
     if ledger is not None:
         return list(ledger["finished"])
-    report = Path(out) / "report.json"
+    report = Path(out) / REPORT
     if not report.exists():
         return None
     return list(json.loads(report.read_text()).get("finished", ["save"]))
@@ -87,11 +110,32 @@ def check_saved(out: Path, what: str, resume: str) -> None:
                                 f"there is known to be its config's; resume=true finishes it: {resume}")
 
 
+def read_report(out: Path) -> dict:
+    """``out``'s report, ``{}`` without one."""
+    path = Path(out) / REPORT
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def write_report(out: Path, report: dict) -> Path:
+    """``report`` as ``out``'s report, whole and atomically (the previous one stays whole until the new one
+    replaces it); returns its path."""
+    return _write_json(Path(out) / REPORT, report)
+
+
+def update_report(out: Path, fields: dict) -> Path:
+    """``out``'s report (:func:`read_report`) with ``fields`` set, written back (:func:`write_report`)."""
+    return write_report(out, {**read_report(out), **fields})
+
+
 def _write(out: Path, ledger: dict) -> Path:
-    """``ledger`` as ``out/progress.json``, atomically (as ``report.json`` is written: whole, then renamed)."""
-    path = Path(out) / LEDGER
+    """``ledger`` as ``out``'s ledger, atomically."""
+    return _write_json(Path(out) / LEDGER, ledger)
+
+
+def _write_json(path: Path, value: dict) -> Path:
+    """``value`` as JSON at ``path``: written whole beside it, then renamed over it (never half-written)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(ledger, indent=1))
+    tmp.write_text(json.dumps(value, indent=1))
     os.replace(tmp, path)
     return path

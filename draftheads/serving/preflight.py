@@ -4,7 +4,7 @@ what it read; each reading is held to what the trainer meant. A server that read
 config key otherwise than the trainer meant still serves, with acceptance near zero; the preflight stops the job
 instead, naming the key, our value and the server's.
 
-What vLLM read comes from inside its engine (:func:`~draftheads.evaluation.vllm_runner.engine_reads`: the loaded
+What vLLM read comes from inside its engine (:func:`~draftheads.serving.vllm_runner.engine_reads`: the loaded
 models' attributes and the speculative config), never from our own files; what we meant comes from the config and
 the drafter built in memory (each recipe's ``served_reads``), never from the export either, so an exporter that
 writes a key wrongly is caught too.
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from draftheads.evaluation.parity import run_vllm
+from draftheads.serving.parity import run_vllm
 
 PROMPT = "Write one sentence about the sea."
 """The one prompt drafted on (chat template applied)."""
@@ -47,7 +47,7 @@ def _shown(value) -> str:
 
 
 def mismatches(expected: dict[str, Expect], read: dict) -> list[str]:
-    """One line per reading of ``read`` (the engine's, :func:`~draftheads.evaluation.vllm_runner.engine_reads`)
+    """One line per reading of ``read`` (the engine's, :func:`~draftheads.serving.vllm_runner.engine_reads`)
     that differs from ``expected`` (reading name -> :class:`Expect`): the reading, the export's key, our value
     and the server's. A reading the engine did not report counts as a mismatch (this vLLM has no such attribute:
     it does not read the key as we meant). Lists compare in order (the order features are concatenated in);

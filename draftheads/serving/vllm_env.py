@@ -1,7 +1,7 @@
 """vLLM's CPU build in its own virtual environment (it pins its own transformers, so it never shares ours).
 Standard library only, so CI can make it before anything else is installed:
 
-    python3 draftheads/evaluation/vllm_env.py .vllm-venv
+    python3 draftheads/serving/vllm_env.py .vllm-venv
 """
 
 from __future__ import annotations

@@ -8,18 +8,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from draftheads.models.target import TINY, TargetSpec, load_target
 
 from draftheads import drafters
 from draftheads.drafters.eagle3 import export as eagle3_export
-from draftheads.evaluation import preflight as preflight_module
-from draftheads.evaluation.preflight import Expect, PreflightMismatch, check, mismatches, refusal
-from draftheads.models.target import TINY, TargetSpec, load_target
+from draftheads.run_folder import finished_steps
 from draftheads.runs import life as train_module
 from draftheads.runs import preflight as job_preflight
 from draftheads.runs.life import train
 from draftheads.runs.preflight import VENV_VARIABLE, preflight_python
+from draftheads.serving import preflight as preflight_module
+from draftheads.serving.preflight import Expect, PreflightMismatch, check, mismatches, refusal
 from draftheads.training.config import to_schema
-from tests.helpers import VLLM_TINY, VLLM_VENV, smoke
+from tests.helpers import VLLM_TINY, VLLM_VENV, short_settings, smoke
 
 ENGINE_READS = {"method", "num_speculative_tokens", "max_model_len", "draft_max_model_len", "aux_hidden_state_layers",
                 "norm_before_fc", "fc_norm", "norm_output", "num_aux_hidden_states", "norm_before_residual",
@@ -155,7 +156,7 @@ def test_a_mismatch_stops_the_job_before_its_rows_and_target_states(tmp_path, ca
     assert "ours [3, 4, 1]" in str(stopped.value) and "server read [1, 2, 3]" in str(stopped.value)
     assert seen["spec"]["method"] == "eagle3" and not (out / "export").exists()  # the export was temporary
     report = json.loads((out / "report.json").read_text())
-    assert report["finished"] == [] and report["preflight"]["passed"] is False
+    assert finished_steps(out) == [] and report["preflight"]["passed"] is False
     assert report["preflight"]["readings"]["aux_hidden_state_layers"]["server"] == [1, 2, 3]
 
 
@@ -211,7 +212,7 @@ def test_an_engine_that_fails_on_the_export_is_undecided_loudly_and_stops_the_jo
         with pytest.raises(subprocess.CalledProcessError):
             train("eagle3", smoke("eagle3", tmp_path / "run", cache_dir, *overrides))
         return
-    report = train("eagle3", smoke("eagle3", tmp_path / "run", cache_dir, *drafters.get("eagle3").short, *overrides))
+    report = train("eagle3", smoke("eagle3", tmp_path / "run", cache_dir, *short_settings("eagle3"), *overrides))
     err = capsys.readouterr().err
     assert "WARNING: serving preflight UNDECIDED" in err and "engine died" in err and "serving.preflight=on" in err
     assert report["preflight"]["passed"] is None and report["preflight"]["why"].startswith("undecided")

@@ -2,7 +2,7 @@
 given prompt token ids with a draftheads export, through vLLM's offline ``LLM`` API or through the OpenAI server
 (``vllm.entrypoints.openai.api_server``, what ``vllm serve`` runs), and vLLM's own acceptance counters.
 
-    <vllm venv>/bin/python draftheads/evaluation/vllm_runner.py job.json result.json
+    <vllm venv>/bin/python draftheads/serving/vllm_runner.py job.json result.json
 
 Imports nothing from draftheads (that environment has vLLM's pinned transformers, not ours). ``job.json``:
 ``mode`` (offline | serve | preflight), ``target``, ``speculative_config`` (null: plain decoding), ``prompts`` (token id
