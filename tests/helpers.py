@@ -42,6 +42,7 @@ SHORT = {
     "medusa": ("stage1.epochs=1", "stage2.epochs=0.5", "stage2.unfreeze_last_n_layers=1"),
     "dflash": ("train.epochs=1", "dflash.block_size=8", "eval.peer_runs=[]"),
     "dspark": ("train.epochs=1", "eval.peer_runs=[]"),
+    "dflash2": ("train.epochs=1", "dflash2.selector_rank=16", "dflash2.selector_top_k=8", "eval.peer_runs=[]"),
     # a draft vocabulary under the target's: the d2t map is trained and exported
     "eagle3": ("train.epochs=1", "eagle3.ttt_steps=2", "eagle3.gamma=3", "eagle3.draft_vocab_size=256",
                "eval.peer_runs=[]"),

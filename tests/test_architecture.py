@@ -59,7 +59,7 @@ def layer(name: str) -> int | None:
     return max((i for i, top in enumerate(LAYERS) if name == top or name.startswith(top + ".")), default=None)
 
 
-EXTENDS = {"dspark": "dflash"}
+EXTENDS = {"dspark": "dflash", "dflash2": "dflash"}
 """A drafter that is another drafter plus heads (as vLLM's ``qwen3_dspark.py`` extends ``qwen3_dflash.py``) may
 import that one's folder, by subclassing, never the reverse or any other folder."""
 

@@ -26,6 +26,7 @@ DRAFTERS = {
     "dflash": "draftheads.drafters.dflash.recipe:DFLASH",
     "eagle3": "draftheads.drafters.eagle3.recipe:EAGLE3",
     "dspark": "draftheads.drafters.dspark.recipe:DSPARK",
+    "dflash2": "draftheads.drafters.dflash2.recipe:DFLASH2",
 }
 """Drafter name -> ``module:object`` of its recipe (imported on first use)."""
 

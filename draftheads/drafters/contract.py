@@ -62,6 +62,13 @@ class Recipe:
     """Checkpoint stage names, in training order (resume refuses a checkpoint of any other)."""
     vllm_weights: str
     """The export folder (relative to the run) that vLLM loads, read back for parity."""
+    @property
+    def vllm_method(self) -> str:
+        """vLLM's speculative method for its export (``speculative_config`` ``method``): its name by default; a
+        drafter that runs on another's runtime says which (DFlash 2: ``dflash``, the export's architecture choosing
+        the speculator)."""
+        return self.name
+
     saved_entries: tuple[str, ...] = ()
     """What its save writes in the run's folder beside ``export/`` (an overwriting run deletes them too)."""
     serving: tuple[Served, ...] = ()
@@ -78,8 +85,8 @@ class Recipe:
     """Drafters this one extends, whose runs and exports it can also start from (``<name>.init_from``: DSpark
     from DFlash); their tensors load into its part of the same names."""
     fresh: tuple[str, ...] = ()
-    """Prefixes of tensor names that may start fresh when a warm start's source lacks them, and of the source's
-    that are dropped when this drafter lacks them (:func:`~draftheads.training.warm_start.load_source`)."""
+    """Patterns (``fnmatch``) of tensor names that may start fresh when a warm start's source lacks them, and of the
+    source's that are dropped when this drafter lacks them (:func:`~draftheads.training.warm_start.load_source`)."""
 
     def check(self, conf, target) -> None:
         """Refuse settings that would fail later, before the data is built (``ValueError``). Default: the
@@ -188,7 +195,7 @@ class Recipe:
     def vllm_config(self, run_dir: Path, conf, trained: Trained) -> dict:
         """vLLM's ``speculative_config`` for the export at ``vllm_weights``: ``method`` is the registry name,
         ``num_speculative_tokens`` the :meth:`draft_length`."""
-        return {"method": self.name, "model": str((Path(run_dir) / self.vllm_weights).resolve()),
+        return {"method": self.vllm_method, "model": str((Path(run_dir) / self.vllm_weights).resolve()),
                 "num_speculative_tokens": self.draft_length(conf, trained)}
 
     def untrained(self, job, run_dir: Path) -> Trained | None:
@@ -201,7 +208,7 @@ class Recipe:
         """What vLLM's engine must read from ``trained``'s export, as this job means it: an
         :class:`~draftheads.serving.preflight.Expect` per reading of
         :func:`~draftheads.serving.vllm_runner.engine_reads`. Default: the method and :meth:`draft_length`."""
-        return {"method": Expect(self.name, "speculative_config method"),
+        return {"method": Expect(self.vllm_method, "speculative_config method"),
                 "num_speculative_tokens": Expect(self.draft_length(conf, trained),
                                                  "speculative_config num_speculative_tokens")}
 

@@ -45,7 +45,7 @@ def preflight_python(job: Job, recipe: Recipe) -> tuple[Path | None, str]:
         if not (Path(venv) / "bin" / "python").exists():
             return None, f"vllm.venv / ${VENV_VARIABLE}={venv} holds no environment (serving.preflight=on makes it)"
         try:
-            python = vllm_serving(recipe, recipe.name, venv)
+            python = vllm_serving(recipe, recipe.vllm_method, venv)
         except ValueError as e:
             return None, str(e)
         version = probe_vllm(python)["version"]
@@ -57,7 +57,7 @@ def preflight_python(job: Job, recipe: Recipe) -> tuple[Path | None, str]:
         if not torch.cuda.is_available() and not any(cell.cpu for cell in cells if cell.loads):
             return None, f"vLLM {version} runs {recipe.name} on GPUs only, and this machine has none (docs/serving.md)"
         return python, ""
-    return vllm_serving(recipe, recipe.name, venv), ""
+    return vllm_serving(recipe, recipe.vllm_method, venv), ""
 
 
 def serving_preflight(job: Job, recipe: Recipe) -> dict:

@@ -26,6 +26,7 @@ weights) is what a warm start is for (docs/refresh.md).
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,12 +145,14 @@ def check_source(recipe, conf, target, source: Source) -> None:
 
 def load_source(drafter: nn.Module, source: Source, fresh: tuple[str, ...]) -> dict:
     """Copy ``source``'s tensors into ``drafter`` (in ``drafter``'s dtypes, in place) and return the
-    :func:`record`. Tensors of ``drafter`` under a ``fresh`` prefix that the source lacks keep their values; the
-    source's under one that ``drafter`` lacks are dropped. Raises ``ValueError`` naming the file and the tensors
-    for any other tensor missing on either side, or a shape that differs (before anything is copied)."""
+    :func:`record`. Tensors of ``drafter`` matching a ``fresh`` pattern (``fnmatch``: ``candidate_selector.*``,
+    ``layers.*.mlp_conv.*``) that the source lacks keep their values; the source's matching one that ``drafter``
+    lacks are dropped. Raises ``ValueError`` naming the file and the tensors for any other tensor missing on either
+    side, or a shape that differs (before anything is copied)."""
     mine, theirs = drafter.state_dict(), source.model.state_dict()
-    missing = sorted(k for k in mine.keys() - theirs.keys() if not k.startswith(fresh))
-    unexpected = sorted(k for k in theirs.keys() - mine.keys() if not k.startswith(fresh))
+    may = lambda name: any(fnmatch.fnmatchcase(name, pattern) for pattern in fresh)  # noqa: E731
+    missing = sorted(k for k in mine.keys() - theirs.keys() if not may(k))
+    unexpected = sorted(k for k in theirs.keys() - mine.keys() if not may(k))
     shapes = {k: (tuple(theirs[k].shape), tuple(mine[k].shape)) for k in sorted(mine.keys() & theirs.keys())
               if theirs[k].shape != mine[k].shape}
     if missing or unexpected or shapes:

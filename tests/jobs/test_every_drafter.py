@@ -38,7 +38,7 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     assert report["eval"]["chitchat"]["acceptance_length"] >= 1.0
     recipe = drafters.get(job)  # its methods' names are the ones it declares (what eval.peers is checked against)
     chitchat = report["eval"]["chitchat"]
-    own = [n for n in [chitchat["method"], *chitchat["peers"]] if n != "prompt_lookup"]
+    own = [n for n in [chitchat["method"], *chitchat.get("peers", {})] if n != "prompt_lookup"]
     assert own and all(any(re.fullmatch(p, n) for p in recipe.methods) for n in own), (own, recipe.methods)
     # what it saves beside its exports and the export vLLM loads: weights in one dtype
     for folder in [*recipe.saved_entries, recipe.vllm_weights]:  # (EAGLE-3's d2t/t2d vocabulary maps: int64, bool)

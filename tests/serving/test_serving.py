@@ -54,7 +54,7 @@ def reporting(folder: Path, version: str, methods: list[str]) -> Path:
 def test_every_drafter_declares_a_row_per_export_with_a_cell_per_server(name):
     recipe = drafters.get(name)
     row = recipe.served(recipe.vllm_weights)  # KeyError naming the folder for a drafter that declares none
-    assert row.method == name  # what vllm_config writes as vLLM's method
+    assert row.method == recipe.vllm_method  # what vllm_config writes as vLLM's method
     for row in recipe.serving:
         assert row.cells.keys() == {s.key for s in SERVERS}, (row.export, row.variant)
         for key, cell in row.cells.items():

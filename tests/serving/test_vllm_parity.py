@@ -159,7 +159,7 @@ def test_vllms_own_gemma3_class_lacks_the_eagle3_interface_and_its_llama_has_it(
     for name, config in {"gemma3": Gemma3TextConfig(architectures=["Gemma3ForCausalLM"]),
                          "llama": LlamaConfig(architectures=["LlamaForCausalLM"])}.items():
         config.save_pretrained(tmp_path / name)
-    runner = Path(__file__).resolve().parents[2] / "draftheads" / "evaluation"
+    runner = Path(__file__).resolve().parents[2] / "draftheads" / "serving"
     code = "import sys; from vllm_runner import native_aux_states; print([native_aux_states(t) for t in sys.argv[1:]])"
     read = subprocess.run([f"{VLLM_VENV}/bin/python", "-c", code, str(tmp_path / "gemma3"), str(tmp_path / "llama")],
                           cwd=runner, capture_output=True, text=True, check=True)

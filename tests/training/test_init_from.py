@@ -78,12 +78,12 @@ class Drafter(torch.nn.Module):
 
 
 def test_load_source_copies_every_tensor_leaves_fresh_heads_and_refuses_what_does_not_fit():
-    """The backbone is copied exactly; a head under a ``fresh`` prefix keeps its values when the source lacks it;
-    a tensor missing outside those prefixes, or of another shape, is refused naming the key, the file and the
+    """The backbone is copied exactly; a head matching a ``fresh`` pattern keeps its values when the source lacks it;
+    a tensor missing outside those patterns, or of another shape, is refused naming the key, the file and the
     tensor, before anything is copied."""
     source, drafter = Drafter(head=False), Drafter()
     head = drafter.head.weight.detach().clone()
-    init = load_source(drafter, Source(Path("runs/a"), "base", "run", source, "x.init_from"), ("head.",))
+    init = load_source(drafter, Source(Path("runs/a"), "base", "run", source, "x.init_from"), ("head.*",))
     assert torch.equal(drafter.fc.weight, source.fc.weight) and torch.equal(drafter.head.weight, head)
     assert init == {"path": "runs/a", "drafter": "base", "kind": "run", "loaded": 2,
                     "fresh": ["head.bias", "head.weight"], "dropped": []}

@@ -200,23 +200,39 @@ class DFlashDraftModel(nn.Module):
         Returns:
             ``[B, Q, D]`` hidden states after the final ``norm`` (the LM head's input).
         """
-        x = F.embedding(block_ids, self.frozen[0]).to(self.fc.weight.dtype)
-        cos, sin = self.rotary_emb(x, positions)
-        for layer, (ctx_k, ctx_v) in zip(self.layers, context):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q, k, v = (self._heads(attn, p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
-            q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k = qwen3.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-            k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
-            v = torch.cat([ctx_v.to(k.dtype), v.transpose(1, 2)], dim=2)
-            if isinstance(mask, BlockMask):
-                out = _flex_attention(q, k, v, block_mask=mask, scale=attn.scaling, enable_gqa=True)
-            else:
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
-            x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.embed(block_ids)
+        rope = self.rotary_emb(x, positions)
+        for layer, kv in zip(self.layers, context):
+            x = self.layer_forward(layer, x, kv, rope, mask)
         return self.norm(x)
+
+    def embed(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """``[B, Q]`` ids -> ``[B, Q, D]``: the target's embedding table, looked up raw (module docstring)."""
+        return F.embedding(block_ids, self.frozen[0]).to(self.fc.weight.dtype)
+
+    def layer_forward(self, layer: nn.Module, x: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
+                      rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+        """One draft decoder layer over the block tokens ``x`` ``[B, Q, D]`` (pre-norm attention, then MLP, each
+        added to the residual), its context keys/values and the blocks' RoPE; a drafter that wraps the sublayers
+        (DFlash 2) overrides this."""
+        x = x + self.attend(layer, layer.input_layernorm(x), context, rope, mask)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def attend(self, layer: nn.Module, h: torch.Tensor, context: tuple[torch.Tensor, torch.Tensor],
+               rope: tuple[torch.Tensor, torch.Tensor], mask) -> torch.Tensor:
+        """The layer's attention (``o_proj`` included) of the normed block tokens ``h`` ``[B, Q, D]`` over the
+        context's keys/values then the blocks' own, under ``mask`` (:meth:`blocks`)."""
+        attn, (ctx_k, ctx_v), (cos, sin) = layer.self_attn, context, rope
+        q, k, v = (self._heads(attn, p, h) for p in (attn.q_proj, attn.k_proj, attn.v_proj))
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = qwen3.apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        k = torch.cat([ctx_k.to(k.dtype), k], dim=2)
+        v = torch.cat([ctx_v.to(k.dtype), v.transpose(1, 2)], dim=2)
+        if isinstance(mask, BlockMask):
+            out = _flex_attention(q, k, v, block_mask=mask, scale=attn.scaling, enable_gqa=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        return attn.o_proj(out.transpose(1, 2).flatten(2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head on draft hidden states: ``[.., D] -> [.., V]``."""

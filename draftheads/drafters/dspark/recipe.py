@@ -35,7 +35,7 @@ class DSpark(DFlash):
     serving = SERVING
     bases = (DFLASH,)
     """A DFlash run or export warm-starts its DFlash part (``dspark.init_from=runs/dflash``)."""
-    fresh = ("markov_head.", "confidence_head.")
+    fresh = ("markov_head.*", "confidence_head.*")
     """The heads DFlash has not: fresh when the source lacks them (a DFlash drafter, or a DSpark one without a
     confidence head)."""
     methods = ("dspark", "dspark_adaptive")

@@ -1,0 +1,111 @@
+"""DFlash 2 as a drafter: DFlash's recipe (a block drafter on the target's multi-layer features, validated
+teacher-forced, saved as its export) with DFlash 2's convolutions, candidate selector and objective; saved as
+``export/dflash2`` (what vLLM loads with ``method: dflash`` and ``architectures: ["DFlash2DraftModel"]``) and
+measured drafting one block per pass with the selector's walk, as vLLM drafts (``dflash2``)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from draftheads.drafters.contract import Trained
+from draftheads.drafters.dflash.model import choose_mask_token, default_target_layer_ids, paper_decay
+from draftheads.drafters.dflash.recipe import DFLASH, DFlash
+from draftheads.drafters.dflash2.config import DFlash2Config, DFlash2RunConfig
+from draftheads.drafters.dflash2.export import export_dflash2, load_dflash2
+from draftheads.drafters.dflash2.model import DFlash2Drafter, DFlash2DraftModel
+from draftheads.drafters.dflash2.serving import SERVING
+from draftheads.drafters.dflash2.training import DFlash2Training
+from draftheads.models.speculative import Sampling
+from draftheads.training.objectives import loss_mix
+
+class DFlash2(DFlash):
+    """The DFlash 2 recipe: DFlash's (:class:`~draftheads.drafters.dflash.recipe.DFlash`: which rows it can train
+    on, how it trains, saves and reloads), its own settings (``dflash2``), drafter, export and decoding."""
+    name = "dflash2"
+    schema = DFlash2RunConfig
+    serving = SERVING
+    bases = (DFLASH,)
+    """A DFlash run or export warm-starts its DFlash part (``dflash2.init_from=runs/dflash``), as speculators
+    starts DFlash 2."""
+    fresh = ("layers.*.attention_conv.*", "layers.*.mlp_conv.*", "candidate_selector.*")
+    """What DFlash has not: the convolutions (at the identity, so the warm start drafts as its DFlash) and the
+    selector start fresh."""
+    methods = ("dflash2",)
+    vllm_method = "dflash"
+    """DFlash's runtime: the export's architecture (``DFlash2DraftModel``) chooses the speculator
+    (``v1/worker/gpu/spec_decode/__init__.py:34``; speculators' ``update_dflash2``)."""
+
+    def default_layers(self, conf: DFlash2RunConfig, target) -> list[int]:
+        """K = ``dflash2.num_target_features`` layers spaced from 1 to L-3, as DFlash's."""
+        return default_target_layer_ids(target.config.num_hidden_layers, conf.dflash2.num_target_features)
+
+    def check_settings(self, conf: DFlash2RunConfig, target) -> None:
+        """DFlash's block, the convolution's taps within it and its groups dividing the width, a selector of rank
+        >= 1 with top-k within the vocabulary, a selector weight >= 0 (without building the drafter, so the global
+        RNG is drawn from where it always was)."""
+        d, width, vocab = conf.dflash2, target.config.hidden_size, target.config.vocab_size
+        bad = {"block_size": d.block_size >= 2, "conv_kernel_size": 1 <= d.conv_kernel_size <= d.block_size,
+               "conv_group_size": d.conv_group_size >= 1 and width % d.conv_group_size == 0,
+               "selector_rank": d.selector_rank >= 1, "selector_top_k": 1 <= d.selector_top_k <= vocab,
+               "selector_weight": d.selector_weight >= 0}
+        for key, fine in bad.items():
+            if not fine:
+                raise ValueError(f"dflash2.{key}={getattr(d, key)}: a block of >= 2, taps in 1..block_size, a group "
+                                 f"size dividing the target's width {width}, rank >= 1, top-k in 1..{vocab}, a "
+                                 f"selector weight >= 0")
+
+    def objective(self, conf: DFlash2RunConfig) -> DFlash2Config:
+        """``dflash2``'s objective; ``position_decay`` by default the DFlash paper's for the block size."""
+        d = conf.dflash2
+        return d if d.position_decay is not None else replace(d, position_decay=paper_decay(d.block_size))
+
+    def build(self, conf: DFlash2RunConfig, target, tokenizer, rows: list[dict]) -> DFlash2DraftModel:
+        """A fresh drafter for ``target`` from ``conf.dflash2`` (layer ids and mask token resolved)."""
+        d = conf.dflash2
+        try:
+            mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
+        except ValueError as error:  # DFlash's rule, DFlash 2's key
+            raise ValueError(str(error).replace("dflash.mask_token_id", "dflash2.mask_token_id")) from None
+        drafter = DFlash2DraftModel.for_target(target, d.num_layers, d.block_size,
+                                               list(self.drafter_layers(conf, target)), mask, d.conv_kernel_size,
+                                               d.conv_group_size, d.selector_rank, d.selector_top_k)
+        if d.attention != "auto":
+            drafter.attention = d.attention.value
+        return drafter
+
+    def describe(self, conf: DFlash2RunConfig, drafter: DFlash2DraftModel) -> str:
+        d = drafter.config.dflash_config
+        return (f"{len(drafter.layers)} layers, block {drafter.block_size}, target layers "
+                f"{list(drafter.target_layer_ids)}, mask token {drafter.mask_token_id}, {d['conv_kernel_size']}-tap "
+                f"convolutions in groups of {d['conv_group_size']}, a selector of rank {d['selector_rank']} over the "
+                f"top {d['selector_top_k']}")
+
+    def training(self, conf: DFlash2RunConfig, drafter: DFlash2DraftModel, target, online: bool) -> DFlash2Training:
+        return DFlash2Training(drafter, target, conf.dflash2.max_anchors, self.objective(conf),
+                               conf.dflash2.selector_weight, online=online)
+
+    def write_export(self, drafter: DFlash2DraftModel, folder: Path) -> Path:
+        return export_dflash2(drafter, folder)
+
+    def read_export(self, folder: Path, target) -> DFlash2DraftModel:
+        return load_dflash2(folder, target)
+
+    def drafter_config(self, conf: DFlash2RunConfig, drafter: DFlash2DraftModel) -> dict:
+        objective = self.objective(conf)
+        return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),
+                "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
+                **{key: drafter.config.dflash_config[key] for key in ("conv_kernel_size", "conv_group_size",
+                                                                     "selector_rank", "selector_top_k")},
+                "loss": loss_mix(objective.loss, "dflash2.loss"), "selector_weight": conf.dflash2.selector_weight,
+                "position_decay": objective.position_decay}
+
+    def chain(self, conf, trained: Trained, target) -> DFlash2Drafter:
+        return DFlash2Drafter(trained.model)
+
+    def peers(self, conf: DFlash2RunConfig, trained: Trained, target, tokenizer, sampling: Sampling) -> dict:
+        """None: DFlash's iterative denoising does not apply (the selector walks the block in one pass)."""
+        return {}
+
+
+DFLASH2 = DFlash2()
