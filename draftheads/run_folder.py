@@ -52,7 +52,10 @@ STEPS = ("training", "validation", "save", "export", "evaluation")
 
 
 def start_ledger(out: Path, drafter: str) -> Path:
-    """A new run's ledger in ``out``: nothing finished, ``started`` now."""
+    """A new run's ledger in ``out``: nothing finished, ``started`` now. A report left in ``out`` (by a start that
+    failed, which leaves the folder to its corrected rerun) is removed: no report speaks for this run before it
+    writes its own."""
+    (Path(out) / REPORT).unlink(missing_ok=True)
     return _write(out, {"drafter": drafter, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "finished": []})
 

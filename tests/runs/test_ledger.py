@@ -39,6 +39,14 @@ def test_the_ledger_is_written_whole_and_keeps_when_the_run_started(tmp_path):
     assert {p.name for p in out.iterdir()} == {LEDGER} and LEDGER in RUN_ENTRIES
 
 
+def test_a_new_run_removes_a_report_a_failed_start_left(tmp_path):
+    """A start that failed (a preflight's refusal) leaves its report to the corrected rerun's folder; the rerun's
+    ledger takes it away, so no report speaks for the new run before it writes its own."""
+    out = folder(tmp_path, [], {"drafter": "medusa", "preflight": {"passed": False}})
+    start_ledger(out, "medusa")
+    assert {p.name for p in out.iterdir()} == {LEDGER}
+
+
 @pytest.mark.parametrize("report", [None, {"drafter": "medusa", "finished": []}, {"edited": True}])
 def test_a_finished_run_whose_report_is_deleted_or_edited_still_counts_as_finished(report, tmp_path):
     out = folder(tmp_path, ALL, report)
