@@ -16,6 +16,7 @@ from draftheads.jobs.cli import parse_args
 from draftheads.models.target import context_window, model_identity
 from draftheads.run_folder import REPORT, TARGET, read_report
 from draftheads.runs.life import eval_set_maker, evaluate_drafter
+from draftheads.runs.output_dir import holding
 from draftheads.runs.preflight import vllm_serving
 from draftheads.runs.saved import load_peer_runs, open_run
 from draftheads.serving.vllm_eval import evaluate_in_vllm
@@ -35,10 +36,17 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
     peers. Raises ``ValueError`` for another backend, a name in ``eval.peers`` that is no method's
     (:func:`~draftheads.drafters.check_method_names`), and what :func:`~draftheads.runs.saved.open_run` raises:
     ``FileNotFoundError`` for a run that has not finished its save (``resume=true`` finishes it), ``ValueError``
-    for overrides choosing another target than the one its drafter was trained with."""
+    for overrides choosing another target than the one its drafter was trained with; ``RuntimeError`` naming the
+    holder while another job works in the run's folder (its ``.lock``)."""
     if backend not in ("transformers", "vllm"):
         raise ValueError(f"backend={backend!r}: transformers (the target in process) or vllm")
     check_writable_report(Path(run_dir))  # the report is written after the evaluation: refused before it
+    with holding(Path(run_dir)):  # no training resumed, export or other evaluation writes there meanwhile
+        return _evaluate(run_dir, overrides, weights, backend, vllm_venv)
+
+
+def _evaluate(run_dir: Path, overrides: list[str], weights: str | None, backend: str, vllm_venv: str | None) -> dict:
+    """:func:`evaluate_run` once the run's folder is held."""
     in_vllm = backend == "vllm"
     run = open_run(run_dir, overrides, weights or (drafters.of_run(run_dir).vllm_weights if in_vllm else None),
                    partial=in_vllm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from draftheads.jobs.cli import parse_args
+from draftheads.runs.output_dir import holding
 from draftheads.runs.saved import open_run
 
 
@@ -13,11 +14,13 @@ def export_run(run_dir: Path, overrides: list[str] = ()) -> dict[str, str]:
     ``serving.json`` (:meth:`~draftheads.drafters.contract.Recipe.write_serving`); returns ``{format: folder}``
     (empty for a drafter whose saved model is its export, like DFlash's). Raises what
     :func:`~draftheads.runs.saved.open_run` raises: ``FileNotFoundError`` for a run that has not finished its save
-    (``resume=true`` finishes it), ``ValueError`` for overrides choosing another target than its drafter's."""
-    run = open_run(run_dir, overrides)
-    paths = run.recipe.export(Path(run_dir), run.target, run.trained)
-    for path in run.recipe.write_serving(Path(run_dir), run.conf, run.trained):
-        print(f"serving: {path}", flush=True)
+    (``resume=true`` finishes it), ``ValueError`` for overrides choosing another target than its drafter's,
+    ``RuntimeError`` naming the holder while another job works in the run's folder (its ``.lock``)."""
+    with holding(Path(run_dir)):
+        run = open_run(run_dir, overrides)
+        paths = run.recipe.export(Path(run_dir), run.target, run.trained)
+        for path in run.recipe.write_serving(Path(run_dir), run.conf, run.trained):
+            print(f"serving: {path}", flush=True)
     return paths
 
 

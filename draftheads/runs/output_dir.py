@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -141,6 +142,18 @@ def lock_output_dir(out: Path):
                  f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}")
     handle.flush()
     return handle
+
+
+@contextmanager
+def holding(out: Path):
+    """:func:`lock_output_dir` on an existing run folder for the length of a ``with`` block (the tools that write
+    into a finished run: ``train/evaluate.py``, ``train/export.py``), released at its end; nothing is locked (or
+    made) for a folder that does not exist (the tool then names what is missing)."""
+    lock = lock_output_dir(Path(out)) if Path(out).is_dir() else None
+    try:
+        yield
+    finally:
+        release(lock)
 
 
 def release(lock) -> None:

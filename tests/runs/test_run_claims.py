@@ -9,7 +9,10 @@ from pathlib import Path
 import pytest
 
 from draftheads import drafters
+from draftheads.jobs import evaluate as evaluate_job
+from draftheads.jobs import export as export_job
 from draftheads.jobs.evaluate import evaluate_run
+from draftheads.jobs.export import export_run
 from draftheads.run_folder import LEDGER, finished_steps, record_finished
 from draftheads.runs import life
 from draftheads.runs.output_dir import lock_output_dir, release
@@ -116,6 +119,19 @@ def test_a_second_job_on_a_claimed_output_dir_is_refused_naming_the_holder(tmp_p
     finally:
         release(held)
     assert lock_output_dir(out) is not None  # released: the next job takes it
+
+
+def test_evaluate_and_export_refuse_a_run_another_job_holds_before_reading_it(run, monkeypatch):
+    """train/evaluate.py and train/export.py wrote into a run that a resumed training (or another tool) held."""
+    for module in (evaluate_job, export_job):
+        monkeypatch.setattr(module, "open_run", lambda *a, **k: pytest.fail("the run was read while held"))
+    held = lock_output_dir(run)
+    try:
+        for tool in (evaluate_run, export_run):
+            with pytest.raises(RuntimeError, match=rf"output_dir={run} is in use by another job"):
+                tool(run)
+    finally:
+        release(held)
 
 
 def test_a_run_stopped_during_its_evaluation_resumes_by_evaluating_only(run, cache_dir, monkeypatch):
