@@ -34,8 +34,7 @@ def test_an_overwriting_run_keeps_nothing_of_the_old_one_but_the_state_cache_it_
     with pytest.raises(ValueError, match="num_val_prompts"):  # interrupted right after the claim
         run_medusa(smoke("medusa", out, cache_dir, "overwrite=true", f"data.target_states={target_states}",
                          "data.num_val_prompts=0"))
-    assert {p.name for p in out.iterdir()} == {"config.yaml", "target.json", "progress.json", "report.json", ".lock",
-                                               *kept}
+    assert {p.name for p in out.iterdir()} == {"config.yaml", "target.json", "progress.json", ".lock", *kept}
     assert "old" not in {(out / name).read_text() for name in ("config.yaml", "target.json")}
     assert json.loads((out / "progress.json").read_text())["finished"] == []
     assert not kept or (out / "hidden_states" / "manifest.json").read_text() == "old"

@@ -45,7 +45,7 @@ class Medusa(Recipe):
     vllm_weights = "export/vllm"
     saved_entries = ("medusa_heads",)
     serving = SERVING
-    fresh = ("lm_heads.",)
+    fresh = ("lm_heads.*",)
     """Per-head LM heads: a vLLM export always holds them (dropped when the config shares the target's LM head);
     heads saved sharing it leave per-head ones initialised from the target's."""
     methods = ("medusa_chain", "medusa_tree", "medusa_tree_typical")
