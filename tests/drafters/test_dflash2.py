@@ -286,3 +286,18 @@ def test_vllm_reads_the_keys_and_weights_the_export_writes():
         text = (root / name).read_text()
         for read in strings:
             assert read in text, f"{root / name} no longer has {read!r}"
+
+
+@pytest.mark.slow
+def test_a_resumed_run_ends_with_the_drafter_the_whole_run_ended_with(tmp_path, cache_dir):
+    """Cut back to a mid-run checkpoint, resumed: the same export bit for bit (anchors, feature noise and the
+    selector's candidates all drawn again as the whole run drew them)."""
+    from draftheads.runs.life import train
+    from tests.helpers import cut_back, short_settings, smoke
+    args = (*short_settings("dflash2"), "train.epochs=2", "eval.enabled=false", "trainer.keep_last=100")
+    train("dflash2", smoke("dflash2", tmp_path / "whole", cache_dir, *args))
+    cut = cut_back(tmp_path / "whole", "dflash2-step000005", tmp_path / "cut")
+    resumed = train("dflash2", smoke("dflash2", cut, cache_dir, *args, "resume=true"))
+    assert resumed["resumed_from"] == str(cut / "checkpoints" / "dflash2-step000005")
+    a, b = (load_file(str(d / "export" / "dflash2" / "model.safetensors")) for d in (tmp_path / "whole", cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
