@@ -35,12 +35,20 @@ from draftheads.run_folder import CONFIG, PLOT, TARGET, finished_steps, read_rep
 from draftheads.runs.job import Job
 from draftheads.runs.output_dir import check_writable, claim_job_dir, lock_output_dir, release, target_record
 from draftheads.runs.preflight import serving_preflight
-from draftheads.runs.resume import check_resume
+from draftheads.runs.resume import check_resume, recorded_setting
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import PeerRun, check_peer_runs, load_peer_runs, peer_methods
 from draftheads.training.checkpoint import check_plan, latest_checkpoint
 from draftheads.training.config import RunConfig, TargetStates, apply_generation_defaults, to_schema
-from draftheads.training.runtime import distributed, make_accelerator, print0, settle_precision, start_tracker
+from draftheads.training.runtime import (
+    distributed,
+    make_accelerator,
+    print0,
+    settle_optimizer,
+    settle_precision,
+    start_tracker,
+)
+from draftheads.training.sharding import sharded
 from draftheads.training.spine import plan_settings
 from draftheads.training.warm_start import check_init_path
 
@@ -113,6 +121,10 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
     accelerator = make_accelerator(cfg)
     print0(accelerator, precision)
+    optimizer = settle_optimizer(cfg, conf, sharded(accelerator), recorded_setting(out, "trainer.optimizer")
+                                 if conf.resume else None)
+    if optimizer:
+        print0(accelerator, optimizer)
     lock = None
     if accelerator.is_main_process:
         check_writable(out)

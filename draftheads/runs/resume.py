@@ -23,6 +23,10 @@ preflight and export after training; logging and the checkpoint policy; where th
 run); the precision, which ``auto`` settles per machine; the target's batch for computing states."""
 
 
+AUTO = ("trainer.optimizer",)
+"""Keys whose ``auto`` a resumed run settles to the value its run recorded (never re-decided on another machine)."""
+
+
 def changed_settings(saved: dict, now: dict, prefix: str = "") -> dict[str, tuple]:
     """``{key: (saved value, this run's)}`` for every key of ``saved`` whose value differs in ``now`` (nested
     dicts walked). A key ``saved`` lacks is not compared: the run was made by a version without it, which did what
@@ -47,9 +51,20 @@ def check_resume(out: Path, cfg: DictConfig) -> None:
     saved = OmegaConf.to_container(OmegaConf.load(record), resolve=False)
     now = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     changed = {k: v for k, v in changed_settings(saved, now).items()
-               if not any(k == m or k.startswith(m + ".") for m in MAY_CHANGE)}
+               if not any(k == m or k.startswith(m + ".") for m in MAY_CHANGE)
+               and not (k in AUTO and v[1] == "auto")}
     if changed:
         said = "; ".join(f"{k}: the run has {a!r}, this command {b!r}" for k, (a, b) in changed.items())
         raise ValueError(f"resume=true continues the run in {out} with the settings it was started with ({record}), "
                          f"and these differ: {said}. Drop those overrides to resume it, or start a new run with them "
                          f"(overwrite=true, or another output_dir)")
+
+
+def recorded_setting(out: Path, key: str) -> str | None:
+    """The value of dotted ``key`` in the run's ``config.yaml`` in ``out``, None without one (no run, or a run of a
+    version without the key)."""
+    record = Path(out) / CONFIG
+    if not record.is_file():
+        return None
+    value = OmegaConf.select(OmegaConf.load(record), key, default=None)
+    return None if value is None else str(value)

@@ -91,6 +91,11 @@ class Optimizer(Choice):
     matched to AdamW's update RMS (Liu et al. 2025, "Muon is scalable for LLM training"), so the ``trainer.lr`` and
     ``weight_decay`` tuned for AdamW carry over, by their finding. DDP or one process only (refused under FSDP and
     DeepSpeed)."""
+    auto = "auto"
+    """Muon where it is cheap and allowed: bf16 native on this device (torch's Muon orthogonalises each update in
+    bfloat16, which a CPU without bf16 instructions emulates, 10x slower per EAGLE-3 step) and DDP or one process;
+    AdamW otherwise. Settled when the job starts (:func:`~draftheads.training.runtime.settle_optimizer`), printed,
+    and recorded in ``config.yaml`` as the optimizer in effect; a resumed run keeps its own."""
 
 
 class NonFinite(Choice):

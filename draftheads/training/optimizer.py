@@ -33,9 +33,12 @@ def make_optimizer(trainer, module: nn.Module, groups: list[dict], sharded: bool
     Returns:
         ``torch.optim.AdamW`` (adamw), or a :class:`MuonWithAdamW` (muon).
     Raises:
-        ValueError: as :func:`check_optimizer`.
+        ValueError: as :func:`check_optimizer`; an ``auto`` not settled.
     """
     check_optimizer(trainer.optimizer, sharded)
+    if Optimizer(trainer.optimizer) == Optimizer.auto:
+        raise ValueError("trainer.optimizer=auto is settled when the job opens "
+                         "(draftheads.training.runtime.settle_optimizer); settle it before making the optimizer")
     if Optimizer(trainer.optimizer) == Optimizer.adamw:
         return torch.optim.AdamW(groups, weight_decay=trainer.weight_decay)
     hidden = {id(p) for p in muon_params(module)}

@@ -15,9 +15,9 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, set_seed
 from omegaconf import DictConfig, OmegaConf
 
-from draftheads.models.precision import auto_dtype, choose_precision
+from draftheads.models.precision import auto_dtype, choose_precision, default_device, native
 from draftheads.models.target import Dtype
-from draftheads.training.config import MixedPrecision
+from draftheads.training.config import MixedPrecision, Optimizer
 from draftheads.training.optimizer import check_optimizer
 from draftheads.training.sharding import check_engine, keep_models_whole, sharded
 
@@ -74,6 +74,26 @@ def settle_precision(cfg: DictConfig, conf) -> str:
         conf.model.dtype = cfg.model.dtype = Dtype(str(dtype).removeprefix("torch."))
         line += f"; target weights: {conf.model.dtype} (model.dtype=auto: {why})"
     return line
+
+
+def settle_optimizer(cfg: DictConfig, conf, sharded: bool, recorded: str | None = None) -> str | None:
+    """Settle ``trainer.optimizer=auto`` (:class:`~draftheads.training.config.Optimizer`): the ``recorded`` one of
+    a resumed run (its ``config.yaml``), else Muon where bf16 is native on this device
+    (:func:`~draftheads.models.precision.native`) and the engine is not ``sharded`` (FSDP, DeepSpeed), AdamW
+    otherwise; written into ``cfg`` (so ``config.yaml`` records it) and ``conf``. Returns the line saying what was
+    chosen and why, None for an explicit optimizer (left as it is)."""
+    if conf.trainer.optimizer != Optimizer.auto:
+        return None
+    if recorded is not None and recorded != Optimizer.auto:
+        chosen, why = Optimizer(recorded), "the run's own, as it started"
+    else:
+        bf16 = native(torch.bfloat16, default_device())
+        muon = bf16.native and not sharded
+        chosen = Optimizer.muon if muon else Optimizer.adamw
+        why = ("FSDP or DeepSpeed shard the matrices Muon orthogonalises" if sharded else
+               f"{bf16.why}: Muon's bf16 orthogonalisation runs {'natively' if bf16.native else 'emulated'}")
+    conf.trainer.optimizer = cfg.trainer.optimizer = chosen
+    return f"optimizer: {chosen.value} (trainer.optimizer=auto: {why})"
 
 
 def cpu_threads() -> tuple[int, str]:

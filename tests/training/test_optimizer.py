@@ -80,11 +80,13 @@ def test_the_optimizer_is_a_choice_checked_when_the_config_is_composed(tmp_path)
     assert to_schema(smoke("medusa", tmp_path, tmp_path, "trainer.optimizer=muon")).trainer.optimizer == Optimizer.muon
     with pytest.raises(ConfigCompositionException) as error:
         smoke("medusa", tmp_path, tmp_path, "trainer.optimizer=adam")
-    assert "expected one of [adamw, muon]" in str(error.value.__cause__ or error.value)
+    assert "expected one of [adamw, muon, auto]" in str(error.value.__cause__ or error.value)
 
 
 def test_an_unknown_optimizer_and_muon_under_a_sharding_engine_are_refused():
     model = TinyDrafter()
+    with pytest.raises(ValueError, match="trainer.optimizer=auto is settled when the job opens"):
+        make_optimizer(TrainerConfig(optimizer="auto"), model, model.groups(1e-2))
     with pytest.raises(ValueError, match="'sgd' is not a valid Optimizer"):
         make_optimizer(TrainerConfig(optimizer="sgd"), model, model.groups(1e-2))
     with pytest.raises(ValueError, match="trainer.optimizer=muon is not supported under FSDP or DeepSpeed"):

@@ -34,3 +34,39 @@ def test_threads_asked_for_are_kept_and_otherwise_the_cores(tmp_path):
     assert threads(tmp_path, [], {"OMP_NUM_THREADS": str(cores + 5)}) == (cores + 5, "OMP_NUM_THREADS")
     n, why = threads(tmp_path, [], {"OMP_NUM_THREADS": None})  # the launcher sets 1 in the process: not asked
     assert n == cores and "shared by 1 local rank" in why
+
+
+@pytest.mark.parametrize("bf16, sharded, recorded, chosen, said", [
+    (True, False, None, "muon", "runs natively"),
+    (False, False, None, "adamw", "runs emulated"),  # torch's Muon orthogonalises in bf16: 10x slower emulated
+    (True, True, None, "adamw", "FSDP or DeepSpeed"),
+    (False, False, "muon", "muon", "the run's own"),  # a resumed run keeps its optimizer on any machine
+])
+def test_an_auto_optimizer_is_muon_only_where_cheap_and_allowed_and_recorded(bf16, sharded, recorded, chosen, said,
+                                                                            monkeypatch):
+    from omegaconf import OmegaConf
+
+    from draftheads.models.precision import Native
+    from draftheads.training import runtime
+    from draftheads.training.config import Optimizer, to_schema
+    from tests.helpers import smoke
+    monkeypatch.setattr(runtime, "native", lambda dtype, device: Native(dtype, bf16, "this CPU"))
+    cfg = smoke("eagle3", "out", "cache", "trainer.optimizer=auto")
+    conf = to_schema(cfg)
+    line = runtime.settle_optimizer(cfg, conf, sharded, recorded)
+    assert conf.trainer.optimizer == Optimizer(chosen) and OmegaConf.select(cfg, "trainer.optimizer") == chosen
+    assert line.startswith(f"optimizer: {chosen} (trainer.optimizer=auto: ") and said in line
+    explicit = smoke("eagle3", "out", "cache", "trainer.optimizer=adamw")
+    assert runtime.settle_optimizer(explicit, to_schema(explicit), sharded, "muon") is None
+
+
+def test_a_resume_with_auto_takes_the_runs_optimizer_and_refuses_another(tmp_path):
+    from omegaconf import OmegaConf
+
+    from draftheads.runs.resume import check_resume, recorded_setting
+    from tests.helpers import smoke
+    OmegaConf.save(smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=muon"), tmp_path / "config.yaml")
+    check_resume(tmp_path, smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=auto", "resume=true"))
+    assert recorded_setting(tmp_path, "trainer.optimizer") == "muon"
+    with pytest.raises(ValueError, match="trainer.optimizer: the run has 'muon', this command 'adamw'"):
+        check_resume(tmp_path, smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=adamw", "resume=true"))

@@ -187,10 +187,10 @@ def test_an_engine_accelerate_cannot_set_up_here_is_an_error(tmp_path, cache_dir
 
 
 def test_muon_under_a_sharding_engine_is_refused_before_the_target_loads(tmp_path, cache_dir):
-    """EAGLE-3's job defaults to Muon, which FSDP and DeepSpeed cannot run: launched under FSDP it stops as the
-    accelerator is set up, naming the fix, before loading the target."""
+    """Muon, which FSDP and DeepSpeed cannot run, asked for under FSDP: the job stops as the accelerator is set up,
+    naming the fix, before loading the target (EAGLE-3's ``auto`` settles to AdamW there)."""
     cmd = launch_cmd("eagle3", [*ENGINES["fsdp"], "--num_processes", "1"], "+experiment=smoke",
-                     *short_settings("eagle3"), f"output_dir={tmp_path}")
+                     *short_settings("eagle3"), "trainer.optimizer=muon", f"output_dir={tmp_path}")
     proc = subprocess.run(cmd, env=launch_env(cache_dir, "fsdp"), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "trainer.optimizer=muon is not supported under FSDP or DeepSpeed" in proc.stderr
