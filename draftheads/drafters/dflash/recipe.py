@@ -33,8 +33,9 @@ class DFlash(FeatureRecipe):
     methods = ("dflash", r"dflash_denoise\d+")
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:
-        """K = ``dflash.num_target_features`` layers spaced from 1 to L-3, as the paper's."""
-        return default_target_layer_ids(target.config.num_hidden_layers, conf.dflash.num_target_features)
+        """K = ``<name>.num_target_features`` layers spaced from 1 to L-3, as the paper's (every drafter on DFlash's
+        backbone)."""
+        return default_target_layer_ids(target.config.num_hidden_layers, self.settings(conf).num_target_features)
 
     def check_settings(self, conf: DFlashRunConfig, target) -> None:
         """A block of at least two positions (without building the drafter, so the global RNG is drawn from
@@ -43,9 +44,9 @@ class DFlash(FeatureRecipe):
             raise ValueError(f"dflash.block_size={conf.dflash.block_size} must be >= 2 (the anchor plus drafts)")
 
     def objective(self, conf: DFlashRunConfig) -> DFlashConfig:
-        """``dflash``'s objective; ``position_decay`` by default the paper's for the block size
+        """``<name>``'s objective; ``position_decay`` by default the DFlash paper's for the block size
         (:func:`~draftheads.drafters.dflash.model.paper_decay`: a size without one needs it set)."""
-        d = conf.dflash
+        d = self.settings(conf)
         return d if d.position_decay is not None else replace(d, position_decay=paper_decay(d.block_size))
 
     def unusable(self, row: dict) -> str | None:

@@ -5,13 +5,12 @@ measured drafting one block per pass with the selector's walk, as vLLM drafts (`
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 from draftheads.drafters.contract import Trained
-from draftheads.drafters.dflash.model import choose_mask_token, default_target_layer_ids, paper_decay
+from draftheads.drafters.dflash.model import choose_mask_token
 from draftheads.drafters.dflash.recipe import DFLASH, DFlash
-from draftheads.drafters.dflash2.config import DFlash2Config, DFlash2RunConfig
+from draftheads.drafters.dflash2.config import DFlash2RunConfig
 from draftheads.drafters.dflash2.export import export_dflash2, load_dflash2
 from draftheads.drafters.dflash2.model import DFlash2Drafter, DFlash2DraftModel
 from draftheads.drafters.dflash2.serving import SERVING
@@ -36,10 +35,6 @@ class DFlash2(DFlash):
     """DFlash's runtime: the export's architecture (``DFlash2DraftModel``) chooses the speculator
     (``v1/worker/gpu/spec_decode/__init__.py:34``; speculators' ``update_dflash2``)."""
 
-    def default_layers(self, conf: DFlash2RunConfig, target) -> list[int]:
-        """K = ``dflash2.num_target_features`` layers spaced from 1 to L-3, as DFlash's."""
-        return default_target_layer_ids(target.config.num_hidden_layers, conf.dflash2.num_target_features)
-
     def check_settings(self, conf: DFlash2RunConfig, target) -> None:
         """DFlash's block, the convolution's taps within it and its groups dividing the width, a selector of rank
         >= 1 with top-k within the vocabulary, a selector weight >= 0 (without building the drafter, so the global
@@ -54,11 +49,6 @@ class DFlash2(DFlash):
                 raise ValueError(f"dflash2.{key}={getattr(d, key)}: a block of >= 2, taps in 1..block_size, a group "
                                  f"size dividing the target's width {width}, rank >= 1, top-k in 1..{vocab}, a "
                                  f"selector weight >= 0")
-
-    def objective(self, conf: DFlash2RunConfig) -> DFlash2Config:
-        """``dflash2``'s objective; ``position_decay`` by default the DFlash paper's for the block size."""
-        d = conf.dflash2
-        return d if d.position_decay is not None else replace(d, position_decay=paper_decay(d.block_size))
 
     def build(self, conf: DFlash2RunConfig, target, tokenizer, rows: list[dict]) -> DFlash2DraftModel:
         """A fresh drafter for ``target`` from ``conf.dflash2`` (layer ids and mask token resolved)."""

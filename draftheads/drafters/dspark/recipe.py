@@ -12,7 +12,7 @@ from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.contract import Trained
-from draftheads.drafters.dflash.model import choose_mask_token, default_target_layer_ids
+from draftheads.drafters.dflash.model import choose_mask_token
 from draftheads.drafters.dflash.recipe import DFLASH, DFlash
 from draftheads.drafters.dspark.adaptive import AdaptiveDSparkDrafter
 from draftheads.drafters.dspark.config import DSparkConfig, DSparkRunConfig
@@ -39,11 +39,6 @@ class DSpark(DFlash):
     """The heads DFlash has not: fresh when the source lacks them (a DFlash drafter, or a DSpark one without a
     confidence head)."""
     methods = ("dspark", "dspark_adaptive")
-
-    def default_layers(self, conf: DSparkRunConfig, target) -> list[int]:
-        """K = ``dspark.num_target_features`` layers spaced from 1 to L-3, as DFlash's (DeepSpec's
-        ``[1, 9, 17, 25, 33]`` for Qwen3's 36)."""
-        return default_target_layer_ids(target.config.num_hidden_layers, conf.dspark.num_target_features)
 
     def check_settings(self, conf: DSparkRunConfig, target) -> None:
         """A block of at least two positions (the DFlash backbone's), a Markov rank of at least 1, a confidence
