@@ -156,8 +156,9 @@ def resolve_target_path(spec: TargetSpec, cache_dir: str | Path) -> str:
         family = spec.name_or_path[len(TINY_SCHEME):]
         recipe = {**asdict(spec.tiny), "family": family}  # changing the recipe changes the folder
         key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+        source = _gguf_location(spec.tiny.tokenizer) if spec.tiny.tokenizer else None
         return str(_atomic_build(cache / "models" / f"tiny-{family}-{key}",
-                                 lambda out: build_tiny(family, spec.tiny, out)))
+                                 lambda out: build_tiny(family, spec.tiny, out, source)))
     if spec.name_or_path.endswith(".gguf"):
         gguf = _gguf_location(spec.name_or_path)
         stat = gguf.stat()

