@@ -69,6 +69,16 @@ class Recipe:
         the speculator)."""
         return self.name
 
+    llamacpp_spec: str | None = None
+    """llama-server's ``--spec-type`` for its export (``draft-eagle3``, ``draft-dflash``, ``draft-dspark``: llama.cpp
+    b11434 ``common/arg.cpp``), which llama.cpp's converter makes a GGUF of (``export/llama.cpp``); None: llama.cpp
+    serves no such drafter."""
+
+    def llamacpp_unread(self, conf, trained: Trained) -> list[str]:
+        """Settings of ``trained`` that llama.cpp b11434 does not read, each with the source line that shows it:
+        its GGUF would load and serve another drafter, so the llama.cpp export refuses it. Default: none."""
+        return []
+
     saved_entries: tuple[str, ...] = ()
     """What its save writes in the run's folder beside ``export/`` (an overwriting run deletes them too)."""
     serving: tuple[Served, ...] = ()
@@ -341,6 +351,18 @@ class FeatureRecipe(Recipe):
         layers = list(trained.model.target_layer_ids)
         return super().served_reads(conf, trained, target) | {"aux_hidden_state_layers": Expect(
             [i + 1 for i in layers], self.layer_key, f"draftheads layers {layers}, each + 1, in the drafter's order")}
+
+    def llamacpp_unread(self, conf, trained: Trained) -> list[str]:
+        """The last target layer's output among the features: llama.cpp b11434 extracts the input of decoder layer
+        i (draftheads' i - 1), and past the last layer only from targets whose graph sets it
+        (``src/models/deepseek4.cpp:1329-1332``); a Llama target's sets layers 0..L-1 (``src/models/llama.cpp:127``),
+        so EAGLE-3 would read an unfilled state there (``common/speculative.cpp:603-604``) and DFlash stop at the
+        first decode (``src/llama-graph.cpp:1413``)."""
+        last = trained.model.config.num_target_layers - 1
+        if last not in trained.model.target_layer_ids:
+            return []
+        return [f"{self.name}.target_layer_ids holds {last}, the last layer's output (llama.cpp's id {last + 1}, past "
+                f"its decoder layers): a Llama target's graph does not extract it (src/models/llama.cpp:127)"]
 
     def state_layers(self, conf, target) -> tuple[int, ...]:
         """:meth:`drafter_layers`, and the last layer when the objective reads the target's distribution

@@ -34,7 +34,7 @@ from draftheads.models.target import context_window, load_target, model_identity
 from draftheads.run_folder import CONFIG, PLOT, TARGET, finished_steps, read_report, record_finished, start_ledger
 from draftheads.runs.job import Job
 from draftheads.runs.output_dir import check_writable, claim_job_dir, lock_output_dir, release, target_record
-from draftheads.runs.preflight import serving_preflight
+from draftheads.runs.preflight import llamacpp_preflight, serving_preflight
 from draftheads.runs.resume import check_resume, recorded_setting
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import PeerRun, check_peer_runs, load_peer_runs, peer_methods
@@ -70,6 +70,8 @@ def train(name: str, cfg: DictConfig) -> dict:
         if job.accelerator.is_main_process and job.resume is None and not job.finished:
             start_ledger(job.out, recipe.name)
         preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
+        if served := llamacpp_preflight(job, recipe):
+            preflight["llama.cpp"] = served
         job.accelerator.wait_for_everyone()
         train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
                                                      attach=job.conf.data.target_states != TargetStates.online,

@@ -21,7 +21,18 @@ from draftheads.drafters.contract import Recipe
 from draftheads.run_folder import update_report
 from draftheads.runs.job import Job
 from draftheads.serving.matrix import SERVERS, check_vllm_serves
-from draftheads.serving.preflight import MAX_MODEL_LEN, PROMPT, Expect, preflight_job, refusal, run_preflight
+from draftheads.serving.llamacpp import DRAFT_GGUF, READINGS, LlamaServer, convert, float_target
+from draftheads.serving.llamacpp_env import BUILD, ensure_llamacpp, find_llamacpp
+from draftheads.serving.preflight import (
+    MAX_MODEL_LEN,
+    PROMPT,
+    Expect,
+    PreflightMismatch,
+    mismatches,
+    preflight_job,
+    refusal,
+    run_preflight,
+)
 from draftheads.serving.vllm_env import ensure_vllm, probe_vllm
 from draftheads.training.config import Preflight
 
@@ -113,6 +124,65 @@ def serving_preflight(job: Job, recipe: Recipe) -> dict:
         update_report(job.out, {"drafter": recipe.name, "preflight": record})
         raise refusal(record, f"{recipe.vllm_weights} of {recipe.name}, untrained")
     print(f"serving preflight: passed in {record['seconds']:.1f} s (vLLM read "
+          + ", ".join(f"{k}={v['server']}" for k, v in record["readings"].items()) + ")", flush=True)
+    return record
+
+
+def llamacpp_preflight(job: Job, recipe: Recipe) -> dict:
+    """``serving.llamacpp_preflight``, on the main process after :func:`serving_preflight`: llama-server loads the
+    job's drafter exported untrained and made a GGUF by llama.cpp's converter, beside the target's float GGUF
+    (:func:`~draftheads.serving.llamacpp.float_target`), drafts ``serving.preflight_tokens`` tokens of one prompt,
+    and what it says it read (:meth:`~draftheads.serving.llamacpp.LlamaServer.readings`) is held to
+    :meth:`~draftheads.drafters.contract.Recipe.served_reads`; the settings llama.cpp does not read
+    (:meth:`~draftheads.drafters.contract.Recipe.llamacpp_unread`) fail it too. Returns the record
+    (``report.json``'s ``preflight["llama.cpp"]``: ``ran``, ``why``; else ``passed``, ``readings``, ``seconds``);
+    {} when off or on other processes.
+
+    Raises :class:`~draftheads.serving.preflight.PreflightMismatch` naming each setting or reading; with ``on``
+    also ``ValueError`` for a drafter llama.cpp does not serve and ``RuntimeError`` when the converter or the server
+    refuses the export (``auto`` records it and goes on)."""
+    mode = job.conf.serving.llamacpp_preflight
+    if not job.accelerator.is_main_process or mode == Preflight.off:
+        return {}
+    start, conf, target = time.perf_counter(), job.conf, job.target
+    if recipe.llamacpp_spec is None:
+        why = f"llama.cpp {BUILD} serves no {recipe.name} drafter (docs/serving.md)"
+        if mode == Preflight.on:
+            raise ValueError(f"serving.llamacpp_preflight=on: {why}")
+        print(f"llama.cpp preflight: skipped ({why})", flush=True)
+        return {"mode": mode.value, "ran": False, "why": why}
+    llamacpp = ensure_llamacpp() if mode == Preflight.on else find_llamacpp()
+    if llamacpp is None:
+        why = ("no llama.cpp built ($DRAFTHEADS_LLAMACPP, $DRAFTHEADS_CACHE/llamacpp; serving.llamacpp_preflight=on "
+               "builds it)")
+        print(f"llama.cpp preflight: skipped ({why})", flush=True)
+        return {"mode": mode.value, "ran": False, "why": why}
+    with tempfile.TemporaryDirectory(prefix="draftheads-preflight-") as tmp:
+        trained = recipe.untrained(job, Path(tmp))
+        meant = {k: e for k, e in recipe.served_reads(conf, trained, target).items() if k in READINGS}
+        unread = recipe.llamacpp_unread(conf, trained)
+        print(f"llama.cpp preflight: llama-server ({llamacpp.root}) loads {recipe.name}'s untrained export", flush=True)
+        try:
+            draft = convert(llamacpp, Path(tmp) / recipe.vllm_weights, Path(job.target_path), Path(tmp) / DRAFT_GGUF)
+            with LlamaServer(llamacpp, float_target(llamacpp, Path(job.target_path)), draft, recipe.llamacpp_spec,
+                             recipe.draft_length(conf, trained)) as server:
+                drafted = server.complete(prompt_ids(job.tokenizer, PROMPT), conf.serving.preflight_tokens)["drafts"]
+                read = server.readings()
+        except RuntimeError as e:
+            if mode == Preflight.on:
+                raise
+            print(f"WARNING: llama.cpp preflight UNDECIDED: {e}", file=sys.stderr, flush=True)
+            return {"mode": mode.value, "ran": True, "passed": None, "why": f"undecided: {e}"[:2000]}
+    bad = unread + mismatches(meant, read) + ([] if drafted else ["drafts: llama-server drafted nothing"])
+    record = {"mode": mode.value, "ran": True, "passed": not bad, "mismatches": bad, "drafts": drafted,
+              "readings": {k: {"key": e.key, "ours": e.ours, "server": read.get(k)} for k, e in meant.items()},
+              "seconds": round(time.perf_counter() - start, 1)}
+    if bad:
+        update_report(job.out, {"drafter": recipe.name, "preflight": {"llama.cpp": record}})
+        raise PreflightMismatch(f"llama.cpp preflight: llama-server {BUILD} would serve {recipe.name}'s export "
+                                f"otherwise than this job means; stopped before any target state is computed:\n  "
+                                + "\n  ".join(bad) + "\n(serving.llamacpp_preflight=off skips this check)")
+    print(f"llama.cpp preflight: passed in {record['seconds']:.1f} s (llama-server read "
           + ", ".join(f"{k}={v['server']}" for k, v in record["readings"].items()) + ")", flush=True)
     return record
 

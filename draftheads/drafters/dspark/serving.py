@@ -3,7 +3,16 @@ the line of that server's source read at the versions :data:`~draftheads.serving
 
 from __future__ import annotations
 
-from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import (
+    LLAMACPP,
+    SGLANG_0523,
+    TGI_337,
+    VLLM_032,
+    VLLM_033,
+    Cell,
+    Served,
+    llamacpp_command,
+)
 
 SPEC = "'{\"method\": \"dspark\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
 CPU_032 = ("GPU build only, read, not run: the CPU build runs DSpark on Model Runner V2 only "
@@ -30,6 +39,12 @@ EXPORT = Served("export/dspark", "dspark", {
                           "an export with dspark.confidence_weight=0 does not load there"),
     TGI_337.key: Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
                              "MLPSpeculator only); TGI 3.3.7 (2025-12) predates DSpark"),
+    LLAMACPP.key: Cell(True, "`conversion/qwen.py:924-990` (`Qwen3DSparkModel`: the vanilla Markov head only, "
+                             "`sample_from_anchor` and `has_confidence_head` written), `src/models/dflash.cpp:125-134` "
+                             "(`markov_w1`, `markov_w2`, `conf_proj`), `common/speculative.cpp:1075` (block size "
+                             "drafts from the anchor)", llamacpp_command("draft-dspark"),
+                       "with `--spec-draft-p-min 0` every block is verified whole, as draftheads' chain; a p-min "
+                       "cuts it where the confidence head says (`common/speculative.cpp:1327-1335`)"),
 })
 
 OTHER_HEADS = "gated or recurrent Markov head"
@@ -45,6 +60,7 @@ GATED_OR_RECURRENT = Served("export/dspark", "dspark", {
     SGLANG_0523.key: Cell(None, "not read for these heads: whether `srt/models/dspark.py` builds them from this "
                                 "export's tensor names was not checked"),
     TGI_337.key: EXPORT.cells[TGI_337.key],
+    LLAMACPP.key: Cell(False, "`conversion/qwen.py:961-962` refuses a `markov_head_type` other than vanilla"),
 }, variant=OTHER_HEADS, note="no server checked serves it: draftheads' own evaluator decodes it (the recipe refuses "
                              "it for vLLM before any engine starts)")
 

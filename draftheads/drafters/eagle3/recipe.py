@@ -18,7 +18,7 @@ from draftheads.drafters.eagle3.model import (
     draft_vocabulary,
     norm_flags,
 )
-from draftheads.drafters.eagle3.serving import FLAGS, RESIDUAL, SERVING
+from draftheads.drafters.eagle3.serving import FLAGS, LLAMACPP_UNREAD, RESIDUAL, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
 from draftheads.serving.preflight import Expect
 
@@ -29,6 +29,7 @@ class Eagle3(FeatureRecipe):
     schema = Eagle3RunConfig
     serving = SERVING
     methods = ("eagle3",)
+    llamacpp_spec = "draft-eagle3"
 
     def default_layers(self, conf: Eagle3RunConfig, target) -> list[int]:
         """:func:`default_layer_ids`: low, middle and high, as the servers default to."""
@@ -95,6 +96,12 @@ class Eagle3(FeatureRecipe):
         its norm flags is (``serving.json`` then names the lines that read them)."""
         flags = norm_flags(trained.model.config)
         return RESIDUAL if flags["norm_before_residual"] else FLAGS if any(flags.values()) else ""
+
+    def llamacpp_unread(self, conf: Eagle3RunConfig, trained: Trained) -> list[str]:
+        """The last layer's output among the features (:meth:`FeatureRecipe.llamacpp_unread`), EAGLE-3.1's
+        ``fc_norm`` and ``norm_output`` where on (:data:`~draftheads.drafters.eagle3.serving.LLAMACPP_UNREAD`)."""
+        flags = norm_flags(trained.model.config)
+        return super().llamacpp_unread(conf, trained) + [why for name, why in LLAMACPP_UNREAD.items() if flags[name]]
 
     def draft_length(self, conf: Eagle3RunConfig, trained: Trained) -> int:
         """``eagle3.gamma``: the drafter decodes autoregressively, as many steps as asked."""

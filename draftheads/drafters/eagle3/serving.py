@@ -4,7 +4,16 @@ with EAGLE-3.1's flags, each cell with the line of that server's source read at 
 
 from __future__ import annotations
 
-from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import (
+    LLAMACPP,
+    SGLANG_0523,
+    TGI_337,
+    VLLM_032,
+    VLLM_033,
+    Cell,
+    Served,
+    llamacpp_command,
+)
 
 FLAGS = "EAGLE-3.1 flags"
 """The variant of an export with any of ``eagle3.{fc_norm,norm_before_fc,norm_output}`` on."""
@@ -21,6 +30,18 @@ GEMMA3_TRANSFORMERS = ("a Gemma 3 target only through vLLM's Transformers backen
                        "its own class lacks `SupportsEagle3`; parity verified here: docs/eagle3.md)")
 LAYERS = ("reads `eagle_aux_hidden_state_layer_ids` one layer later than vLLM (`srt/models/llama.py:939-941`): an "
           "export of other than the default layers is served on other features")
+LLAMACPP_UNREAD = {
+    "fc_norm": ("fc_norm: llama.cpp has no per-feature norm (`src/models/eagle3.cpp:131-137`: the features enter `fc` "
+                "after `norm_before_fc`'s norm alone; `conversion/llama.py:233-253` maps no `fc_norm` tensor)"),
+    "norm_output": ("norm_output: llama.cpp feeds each draft step the state before the final norm "
+                    "(`src/models/eagle3.cpp:279-288`: `t_h_nextn` is set before `output_norm`)"),
+}
+"""EAGLE-3's settings that llama.cpp b11434 does not read, with the lines that show it (``norm_before_fc`` and
+``norm_before_residual`` it reads: ``src/models/eagle3.cpp:26``, :33)."""
+LLAMACPP_READS = ("`conversion/llama.py:49-105` (the draft found by `draft_vocab_size` and one layer; "
+                  "`eagle_aux_hidden_state_layer_ids` or the default `[2, L/2, L-3]`, the input of decoder layer i as "
+                  "vLLM reads it: `common/speculative.cpp:600-606`), `src/models/eagle3.cpp:3-35`")
+
 NO_TGI = Cell(False, "`server/text_generation_server/models/__init__.py:521-575` (speculators: Medusa and "
                      "MLPSpeculator only; no EAGLE anywhere in `server/`)")
 
@@ -34,6 +55,8 @@ EXPORT = Served("export/eagle3", "eagle3", {
     SGLANG_0523.key: Cell(True, "`srt/speculative/spec_info.py:43` (`EAGLE3`), `srt/models/llama_eagle3.py:272` "
                                 "(`LlamaForCausalLMEagle3`, `EntryClass` :387)", SGLANG, LAYERS),
     TGI_337.key: NO_TGI,
+    LLAMACPP.key: Cell(True, LLAMACPP_READS, llamacpp_command("draft-eagle3"),
+                       "parity with draftheads verified here: docs/serving.md"),
 })
 
 EAGLE31 = Served("export/eagle3", "eagle3", {
@@ -49,6 +72,9 @@ EAGLE31 = Served("export/eagle3", "eagle3", {
                                 "as `model.<name>` (:372)", SGLANG,
                           "read, not run; " + LAYERS),
     TGI_337.key: NO_TGI,
+    LLAMACPP.key: Cell(False, "; ".join(LLAMACPP_UNREAD.values()),
+                       note="an export with `norm_before_fc` alone is read (`src/models/eagle3.cpp:33`, :131) and "
+                            "served: `train/export.py RUN llamacpp=DIR` refuses the others"),
 }, variant=FLAGS)
 
 NORM_BEFORE_RESIDUAL = Served("export/eagle3", "eagle3", {
@@ -62,6 +88,9 @@ NORM_BEFORE_RESIDUAL = Served("export/eagle3", "eagle3", {
                                  "always and reads no `norm_before_residual`: it would load the export and serve "
                                  "another drafter"),
     TGI_337.key: NO_TGI,
+    LLAMACPP.key: Cell(True, "`src/models/eagle3.cpp:26` (`norm_before_residual`), :217 (the residual taken after "
+                             "`hidden_norm`); " + LLAMACPP_READS, llamacpp_command("draft-eagle3"),
+                       "not with `fc_norm` or `norm_output` also on (the EAGLE-3.1 row)"),
 }, variant=RESIDUAL)
 
 SERVING = (EXPORT, EAGLE31, NORM_BEFORE_RESIDUAL)

