@@ -3,7 +3,8 @@ same prompts (the first run's held-out prompts of its first eval set), threads a
 no prompt cache; every drafter against the same plain baseline in one run, with tau as llama-server counts it
 (1 + accepted / verification steps).
 
-    python tests/benchmarks/bench_llamacpp_speed.py runs/eagle3 runs/dflash [--target-gguf PATH] [--prompts 16]
+    python tests/benchmarks/bench_llamacpp_speed.py runs/eagle3 runs/dflash [--target-gguf PATH] [--prompts 16] \
+        [--llamacpp .llamacpp]
 
 Each run needs ``train/llamacpp_parity.py RUN`` first (its ``llamacpp_parity.json`` names the drafter's GGUF, the
 spec type, the draft length and the target GGUF, the default ``--target-gguf``). Run it alone on the machine:
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -39,12 +41,15 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--llamacpp", help="llama.cpp's folder (default: $DRAFTHEADS_LLAMACPP, else the cache's)")
     args = parser.parse_args()
-    llamacpp, served = ensure_llamacpp(), [json.loads((r / "llamacpp_parity.json").read_text()) for r in args.runs]
+    llamacpp = ensure_llamacpp(args.llamacpp)
+    served = [json.loads((r / "llamacpp_parity.json").read_text()) for r in args.runs]
     target = args.target_gguf or Path(served[0]["target_gguf"])
     tokenizer = AutoTokenizer.from_pretrained(served[0]["target"])
     conf = run_config(args.runs[0], drafters.of_run(args.runs[0]))
-    prompts = [target_prompt_ids(tokenizer, p) for p in next(iter(load_eval_sets(conf.eval, tokenizer).values()))]
+    sets = load_eval_sets(replace(conf.eval, enabled=True), tokenizer)
+    prompts = [target_prompt_ids(tokenizer, p) for p in next(iter(sets.values()))]
     prompts = prompts[:args.prompts]
     with LlamaServer(llamacpp, target, threads=args.threads) as server:
         plain = speed([server.complete(ids, args.tokens) for ids in prompts])
