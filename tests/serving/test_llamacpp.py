@@ -70,24 +70,39 @@ def test_parity_is_judged_where_the_targets_agree_and_needs_equal_tau():
 
 
 def test_an_export_llamacpp_would_misread_is_refused_naming_what_it_does_not_read(tmp_path, cache_dir):
-    """norm_output (on in EAGLE-3's default job), fc_norm, and the last layer's output as a feature (the tiny
-    target's default EAGLE-3 layers hold it): llama.cpp would load the GGUF and serve another drafter; refused
-    before llama.cpp is touched. norm_before_fc, which it reads, is not named."""
+    """norm_output (on in EAGLE-3's default job), fc_norm, the last layer's output as a feature and layers other
+    than the servers' default (the tiny target's EAGLE-3 layers are both): llama.cpp would load the GGUF and serve
+    another drafter; refused before llama.cpp is touched. norm_before_fc, which it reads, is not named."""
     out = tmp_path / "eagle3"
     train("eagle3", smoke("eagle3", out, cache_dir, "eval.enabled=false", *short_settings("eagle3"),
                           "eagle3.fc_norm=true"))
     run = open_run(out, (), "export/eagle3")
-    with pytest.raises(ValueError, match=r"holds 3, the last layer's output.*fc_norm: .*eagle3.cpp:131-137.*"
+    with pytest.raises(ValueError, match=r"holds 3, the last layer's output.*not the servers' default.*"
+                                         r"conversion/llama.py:77.*fc_norm: .*eagle3.cpp:131-137.*"
                                          r"norm_output: .*eagle3.cpp:279-288") as refused:
         llamacpp_export(run, llamacpp=None)
     assert "norm_before_fc" not in str(refused.value).replace("after `norm_before_fc`", "")
     assert not (out / EXPORT).exists()
 
 
+AS_LLAMACPP_READS = {"eagle3": PLAIN_EAGLE3, "dflash2": ["dflash2.selector_top_k=7"]}
+"""Settings that make a smoke drafter one llama.cpp serves as trained: EAGLE-3 without norm_output; DFlash 2 with a
+selector lattice that fits the tiny target's width (top-k * (top-k + 1) <= 64)."""
+
+
 def _smoke_run(job: str, out, cache_dir, *extra: str):
     train(job, smoke(job, out, cache_dir, "eval.enabled=false", *SERVED_TOKENIZER, *short_settings(job),
-                     *(PLAIN_EAGLE3 if job == "eagle3" else ()), *extra))
+                     *AS_LLAMACPP_READS.get(job, ()), *extra))
     return out
+
+
+def test_a_dflash2_selector_wider_than_llamacpp_lays_out_is_refused(tmp_path, cache_dir):
+    """llama.cpp refuses a hidden size under top-k * (top-k + 1) (the tiny target's 64 against top-k 8's 72): the
+    export is refused before llama.cpp is touched, naming the setting."""
+    out = tmp_path / "dflash2"
+    train("dflash2", smoke("dflash2", out, cache_dir, "eval.enabled=false", *short_settings("dflash2")))
+    with pytest.raises(ValueError, match=r"dflash2.selector_top_k=8: .* top-k \* \(top-k \+ 1\) = 72 .*: 64"):
+        llamacpp_export(open_run(out, (), "export/dflash2"), llamacpp=None)
 
 
 def _parity(out, *args: str):
@@ -139,8 +154,8 @@ def test_wrong_ggufs_are_refused_by_llama_server_or_reported_by_the_parity_comma
     vllm_ids = [i + 1 for i in run.trained.model.target_layer_ids]  # the input of decoder layer i
     shifted = tmp_path / "shifted"
     shutil.copytree(out / "export" / "eagle3", shifted)
-    config = json.loads((shifted / "config.json").read_text())
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 if i > 1 else i + 1 for i in vllm_ids]
+    config = json.loads((shifted / "config.json").read_text())  # where llama.cpp's converter reads the ids
+    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 if i > 1 else i + 1 for i in vllm_ids]
     (shifted / "config.json").write_text(json.dumps(config))
     wrong = convert(LLAMACPP, shifted, Path(run.target_path), tmp_path / "shifted.gguf")
     with pytest.raises(SystemExit):

@@ -17,6 +17,7 @@ from draftheads.drafters.eagle3.model import (
     default_layer_ids,
     draft_vocabulary,
     norm_flags,
+    servers_default,
 )
 from draftheads.drafters.eagle3.serving import FLAGS, LLAMACPP_UNREAD, RESIDUAL, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
@@ -98,10 +99,16 @@ class Eagle3(FeatureRecipe):
         return RESIDUAL if flags["norm_before_residual"] else FLAGS if any(flags.values()) else ""
 
     def llamacpp_unread(self, conf: Eagle3RunConfig, trained: Trained) -> list[str]:
-        """The last layer's output among the features (:meth:`FeatureRecipe.llamacpp_unread`), EAGLE-3.1's
+        """The last layer's output among the features (:meth:`FeatureRecipe.llamacpp_unread`), layers other than
+        the servers' default (llama.cpp's converter reads them where the export does not write them), EAGLE-3.1's
         ``fc_norm`` and ``norm_output`` where on (:data:`~draftheads.drafters.eagle3.serving.LLAMACPP_UNREAD`)."""
-        flags = norm_flags(trained.model.config)
-        return super().llamacpp_unread(conf, trained) + [why for name, why in LLAMACPP_UNREAD.items() if flags[name]]
+        flags, model = norm_flags(trained.model.config), trained.model
+        layers = [] if list(model.target_layer_ids) == servers_default(model.config.num_target_layers) else [
+            f"eagle3.target_layer_ids {list(model.target_layer_ids)} (not the servers' default): llama.cpp's converter "
+            f"reads the ids at config.json's top level (conversion/llama.py:77), where the export writes them as vLLM "
+            f"reads them, in eagle_config, so it would extract its default layers"]
+        return super().llamacpp_unread(conf, trained) + layers + \
+            [why for name, why in LLAMACPP_UNREAD.items() if flags[name]]
 
     def draft_length(self, conf: Eagle3RunConfig, trained: Trained) -> int:
         """``eagle3.gamma``: the drafter decodes autoregressively, as many steps as asked."""

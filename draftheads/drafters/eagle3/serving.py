@@ -56,7 +56,9 @@ EXPORT = Served("export/eagle3", "eagle3", {
                                 "(`LlamaForCausalLMEagle3`, `EntryClass` :387)", SGLANG, LAYERS),
     TGI_337.key: NO_TGI,
     LLAMACPP.key: Cell(True, LLAMACPP_READS, llamacpp_command("draft-eagle3"),
-                       "parity with draftheads verified here: docs/serving.md"),
+                       "parity with draftheads verified here: docs/serving.md; an export of other than the default "
+                       "layers is refused for it: its converter reads `eagle_aux_hidden_state_layer_ids` at the top "
+                       "of `config.json` (`conversion/llama.py:77`), where the export writes them as vLLM reads them"),
 })
 
 EAGLE31 = Served("export/eagle3", "eagle3", {
