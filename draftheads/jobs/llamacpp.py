@@ -123,6 +123,7 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
     rows = []
     for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True), tokenizer).items():
         ids = [target_prompt_ids(tokenizer, p) for p in prompts]
+        print(f"{name}: {len(ids)} prompts, ours then llama-server's, plain and with the drafter", flush=True)
         ours_plain = [plain_decode(run.target, torch.tensor(i, device=device), budget, stop).tokens for i in ids]
         ours = []
         for i in ids:
@@ -134,7 +135,7 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
         rows.append(parity_row(name, ours_plain, ours, plain, spec, budget, drafter.gamma, mismatches(meant, read)))
     print(f"\n{drafter.name} in llama.cpp {BUILD} ({target.name}, {threads} threads) vs draftheads, greedy, {budget} "
           f"new tokens; parity: on the prompts where the targets agree, identical outputs and |tau difference| <= "
-          f"{TOLERANCE}")
+          f"{TOLERANCE}", flush=True)
     print(f"{'set':<12}{'targets agree':>14}{'identical':>10}{'tau ours':>10}{'tau llama':>10}{'(all)':>14}"
           f"{'tok/s plain':>12}{'drafter':>9}{'speedup':>8}")
     for r in rows:
