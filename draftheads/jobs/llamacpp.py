@@ -24,6 +24,7 @@ from draftheads.serving.llamacpp import (
     READINGS,
     LlamaServer,
     convert,
+    decode_speed,
     float_target,
     llamacpp_counts,
 )
@@ -74,21 +75,17 @@ def parity_row(name: str, ours_plain: list[list[int]], ours: list[dict], plain: 
     agree = [i for i, (a, b) in enumerate(zip(ours_plain, plain)) if a == b["tokens"]]
     counted = [llamacpp_counts(o["steps"], len(o["tokens"]), max_tokens, n_max) for o in ours]
 
-    def tau(counts: list[dict], keys: tuple[str, str], where) -> float:
-        steps = sum(counts[i][keys[0]] for i in where)
-        return 1 + sum(counts[i][keys[1]] for i in where) / max(steps, 1)
+    def tau(counts: list[dict], where) -> float:
+        return 1 + sum(counts[i]["accepted"] for i in where) / max(sum(counts[i]["drafts"] for i in where), 1)
 
     theirs = [{"drafts": s["drafts"], "accepted": s["draft_n_accepted"]} for s in spec]
     every = range(len(ours))
-    speed = {label: sum(r["predicted_n"] for r in runs) / sum(r["predicted_ms"] for r in runs) * 1000
-             for label, runs in (("plain", plain), ("drafter", spec))}
+    speed = {"plain": decode_speed(plain), "drafter": decode_speed(spec)}
     row = {"set": name, "prompts": len(ours), "target_agreement": len(agree) / len(ours),
            "identical": sum(ours[i]["tokens"] == spec[i]["tokens"] for i in agree) / max(len(agree), 1),
            "lossless_in_llamacpp": sum(s["tokens"] == p["tokens"] for s, p in zip(spec, plain)) / len(spec),
-           "tau_ours": tau(counted, ("drafts", "accepted"), agree),
-           "tau_llamacpp": tau(theirs, ("drafts", "accepted"), agree),
-           "tau_ours_all": tau(counted, ("drafts", "accepted"), every),
-           "tau_llamacpp_all": tau(theirs, ("drafts", "accepted"), every),
+           "tau_ours": tau(counted, agree), "tau_llamacpp": tau(theirs, agree),
+           "tau_ours_all": tau(counted, every), "tau_llamacpp_all": tau(theirs, every),
            "drafts_ours": sum(counted[i]["drafts"] for i in agree),
            "drafts_llamacpp": sum(theirs[i]["drafts"] for i in agree),
            "tokens_per_s_plain": speed["plain"], "tokens_per_s_drafter": speed["drafter"],

@@ -107,22 +107,23 @@ class LlamaServer:
         if draft is not None:
             cmd += ["-md", str(draft), "--spec-type", spec_type, "--spec-draft-n-max", str(n_max),
                     "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads)]
-        self.cmd = cmd
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server refused {draft or model} (exit {self.proc.returncode}): "
-                                   f"{self._tail()}")
+                tail = self._tail()
+                self.close()
+                raise RuntimeError(f"llama-server refused {draft or model} (exit {self.proc.returncode}): {tail}")
             try:
                 if json.loads(self._get("/health")).get("status") == "ok":
                     return
             except (OSError, ValueError):
                 pass
             time.sleep(0.5)
+        tail = self._tail()
         self.close()
-        raise RuntimeError(f"llama-server not ready within {timeout:.0f} s: {self._tail()}")
+        raise RuntimeError(f"llama-server not ready within {timeout:.0f} s: {tail}")
 
     def complete(self, prompt_ids: list[int], max_tokens: int) -> dict:
         """Greedy completion of ``prompt_ids``: ``tokens``, ``predicted_n``, ``predicted_ms``, ``draft_n``,
@@ -181,6 +182,12 @@ class LlamaServer:
     def _tail(self) -> str:
         lines = self.log.read_text(errors="replace").splitlines() if self.log.is_file() else []
         return "\n".join(line for line in lines[-15:])
+
+
+def decode_speed(completions: list[dict]) -> float:
+    """Decode tokens per second over :meth:`LlamaServer.complete`'s ``completions`` (llama-server's own timings,
+    the prompt's processing left out)."""
+    return sum(c["predicted_n"] for c in completions) / sum(c["predicted_ms"] for c in completions) * 1000
 
 
 def _free_port() -> int:

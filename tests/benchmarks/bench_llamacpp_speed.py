@@ -25,13 +25,8 @@ from draftheads import drafters
 from draftheads.data.regenerate import target_prompt_ids
 from draftheads.evaluation.methods import load_eval_sets
 from draftheads.runs.saved import run_config
-from draftheads.serving.llamacpp import LlamaServer
+from draftheads.serving.llamacpp import LlamaServer, decode_speed
 from draftheads.serving.llamacpp_env import BUILD, ensure_llamacpp
-
-
-def speed(completions: list[dict]) -> float:
-    """Decode tokens per second over ``completions`` (llama-server's own timings)."""
-    return sum(c["predicted_n"] for c in completions) / sum(c["predicted_ms"] for c in completions) * 1000
 
 
 def main() -> None:
@@ -52,7 +47,7 @@ def main() -> None:
     prompts = [target_prompt_ids(tokenizer, p) for p in next(iter(sets.values()))]
     prompts = prompts[:args.prompts]
     with LlamaServer(llamacpp, target, threads=args.threads) as server:
-        plain = speed([server.complete(ids, args.tokens) for ids in prompts])
+        plain = decode_speed([server.complete(ids, args.tokens) for ids in prompts])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"llama.cpp {BUILD}, target {target.name}, {args.threads} threads, {len(prompts)} prompts x {args.tokens} "
           f"new tokens, commit {commit}")
@@ -63,7 +58,8 @@ def main() -> None:
                          threads=args.threads) as server:
             done = [server.complete(ids, args.tokens) for ids in prompts]
         tau = 1 + sum(d["draft_n_accepted"] for d in done) / max(sum(d["drafts"] for d in done), 1)
-        print(f"{s['method'] + ' (' + run.name + ')':<32}{speed(done):>8.1f}{speed(done) / plain:>8.2f}x{tau:>7.2f}")
+        tps = decode_speed(done)
+        print(f"{s['method'] + ' (' + run.name + ')':<32}{tps:>8.1f}{tps / plain:>8.2f}x{tau:>7.2f}")
 
 
 if __name__ == "__main__":
