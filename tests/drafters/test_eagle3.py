@@ -321,15 +321,15 @@ def _rms(x, weight, eps):
     return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def test_the_job_trains_eagle31_and_a_drafter_without_its_flags_is_eagle3s(tiny):
-    """The job's default is speculators' EAGLE-3.1 (``norm_before_fc``, ``norm_output``); a drafter built or read
-    without the flags (as vLLM reads a config without the keys) draws the same weights, holds the same tensors
-    and feeds its pre-norm state on."""
+def test_the_job_trains_norm_before_fc_and_a_drafter_without_its_flags_is_eagle3s(tiny):
+    """The job's default is EAGLE-3.1's ``norm_before_fc`` alone (``norm_output`` off: llama.cpp cannot read it);
+    a drafter built or read without the flags (as vLLM reads a config without the keys) draws the same weights,
+    holds the same tensors and feeds its pre-norm state on."""
     from draftheads.drafters.eagle3.config import Eagle3Config
     from draftheads.drafters.eagle3.model import NORM_FLAGS, norm_flags
     model, _ = tiny
     assert {name: getattr(Eagle3Config(), name) for name in NORM_FLAGS} == \
-        {"fc_norm": False, "norm_before_fc": True, "norm_output": True, "norm_before_residual": False}
+        {"fc_norm": False, "norm_before_fc": True, "norm_output": False, "norm_before_residual": False}
     made = []
     for flags in ({}, dict.fromkeys(NORM_FLAGS, False)):
         torch.manual_seed(0)
@@ -475,7 +475,7 @@ def test_the_recipe_builds_describes_and_reports_the_eagle31_flags(tiny, tmp_pat
     report = EAGLE3.drafter_config(conf, d)
     assert (report["fc_norm"], report["norm_before_fc"], report["norm_output"]) == (True, False, True)
     default = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path), model, tok, rows)
-    assert default.fc_norm is None and default.input_norm is not None and default.norm_output
+    assert default.fc_norm is None and default.input_norm is not None and not default.norm_output
     plain = EAGLE3.build(smoke("eagle3", tmp_path, tmp_path, "eagle3.norm_before_fc=false", "eagle3.norm_output=false"),
                          model, tok, rows)
     assert plain.fc_norm is None and plain.input_norm is None and not plain.norm_output

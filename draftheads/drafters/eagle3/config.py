@@ -36,12 +36,14 @@ class Eagle3Config(DrafterConfig):
     norm_before_fc: bool = True
     """One RMSNorm over the concatenated features before ``fc`` (weight ``input_norm.weight``, ``[K * target
     hidden]``), applied before ``fc_norm`` when both are on. Config ``norm_before_fc`` (vLLM 0.32
-    ``llama_eagle3.py:184``, which reads ``eagle_config`` first). On by default with ``norm_output``, as
-    speculators trains EAGLE-3.1: the default job measured ahead of EAGLE-3 without them (docs/eagle3.md,
-    Results); all three off: the EAGLE-3 drafter of the paper."""
-    norm_output: bool = True
+    ``llama_eagle3.py:184``, which reads ``eagle_config`` first). On by default, and read by every server: with
+    ``norm_output`` it measured ahead of neither, and without it level with both (docs/eagle3.md, Results); all
+    off: the EAGLE-3 drafter of the paper."""
+    norm_output: bool = False
     """EAGLE-3.1: each step (training-time test and drafting alike) is fed the previous step's hidden state
-    after the final ``norm`` instead of before it (config ``norm_output``; vLLM 0.32 ``llama_eagle3.py:286``)."""
+    after the final ``norm`` instead of before it (config ``norm_output``; vLLM 0.32 ``llama_eagle3.py:286``).
+    Off by default since 2026-12-06: on and off measured level (+0.01 [-0.03, 0.05] tau, 64 chitchat prompts,
+    docs/eagle3.md), and llama.cpp b11434 cannot read it (``src/models/eagle3.cpp:279-288``)."""
     norm_before_residual: bool = False
     """The decoder layer's residual stream starts at ``hidden_norm(h)`` instead of the fused feature ``h``
     (config ``norm_before_residual``; vLLM 0.32 ``llama_eagle3.py:101-122``; on in speculators' defaults). SGLang

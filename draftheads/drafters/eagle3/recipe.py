@@ -93,12 +93,14 @@ class Eagle3(FeatureRecipe):
         return Eagle3Drafter(trained.model, conf.eagle3.gamma)
 
     def serving_variant(self, conf: Eagle3RunConfig, trained: Trained) -> str:
-        """``norm_before_residual``'s rows when it is on (SGLang does not read it), else EAGLE-3.1's when any of
-        its norm flags is (``serving.json`` then names the lines that read them)."""
+        """``norm_before_residual``'s rows when it is on (SGLang does not read it), else EAGLE-3.1's when
+        ``fc_norm`` or ``norm_output`` is (llama.cpp reads neither; ``serving.json`` then names the lines that
+        read them); ``norm_before_fc``, which every server reads, is the plain export's row."""
         flags = norm_flags(trained.model.config)
-        return RESIDUAL if flags["norm_before_residual"] else FLAGS if any(flags.values()) else ""
+        return RESIDUAL if flags["norm_before_residual"] else \
+            FLAGS if flags["fc_norm"] or flags["norm_output"] else ""
 
-    def llamacpp_unread(self, conf: Eagle3RunConfig, trained: Trained) -> list[str]:
+    def llamacpp_unread(self, conf: Eagle3RunConfig, trained: Trained, target) -> list[str]:
         """The last layer's output among the features (:meth:`FeatureRecipe.llamacpp_unread`), layers other than
         the servers' default (llama.cpp's converter reads them where the export does not write them), EAGLE-3.1's
         ``fc_norm`` and ``norm_output`` where on (:data:`~draftheads.drafters.eagle3.serving.LLAMACPP_UNREAD`)."""
@@ -107,7 +109,7 @@ class Eagle3(FeatureRecipe):
             f"eagle3.target_layer_ids {list(model.target_layer_ids)} (not the servers' default): llama.cpp's converter "
             f"reads the ids at config.json's top level (conversion/llama.py:77), where the export writes them as vLLM "
             f"reads them, in eagle_config, so it would extract its default layers"]
-        return super().llamacpp_unread(conf, trained) + layers + \
+        return super().llamacpp_unread(conf, trained, target) + layers + \
             [why for name, why in LLAMACPP_UNREAD.items() if flags[name]]
 
     def draft_length(self, conf: Eagle3RunConfig, trained: Trained) -> int:

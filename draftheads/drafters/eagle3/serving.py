@@ -16,7 +16,8 @@ from draftheads.serving.matrix import (
 )
 
 FLAGS = "EAGLE-3.1 flags"
-"""The variant of an export with any of ``eagle3.{fc_norm,norm_before_fc,norm_output}`` on."""
+"""The variant of an export with ``eagle3.fc_norm`` or ``eagle3.norm_output`` on (``norm_before_fc``, on by default
+and read by every server, is the plain export's row)."""
 RESIDUAL = "norm_before_residual"
 """The variant of an export with ``eagle3.norm_before_residual`` on (with or without EAGLE-3.1's flags)."""
 SPEC = "'{\"method\": \"eagle3\", \"model\": \"$export\", \"num_speculative_tokens\": $n}'"
@@ -47,15 +48,17 @@ NO_TGI = Cell(False, "`server/text_generation_server/models/__init__.py:521-575`
 
 EXPORT = Served("export/eagle3", "eagle3", {
     VLLM_032.key: Cell(True, "`vllm/config/speculative.py:70-71` (\"eagle3\" in `EagleModelTypes`), "
-                             "`model_executor/models/registry.py:662` (`LlamaForCausalLMEagle3` -> `llama_eagle3`)",
+                             "`model_executor/models/registry.py:662` (`LlamaForCausalLMEagle3` -> `llama_eagle3`), "
+                             "`model_executor/models/llama_eagle3.py:184-188` (`norm_before_fc`)",
                        VLLM_CPU, f"parity with draftheads verified here: docs/serving.md; {GEMMA3_TRANSFORMERS}"),
     VLLM_033.key: Cell(True, "`vllm/config/speculative.py:71-72`, `model_executor/models/registry.py:702` "
                              "(`LlamaForCausalLMEagle3`); `llama_eagle3.py` identical to 0.32's (diffed)",
                        VLLM_GPU, NO_GEMMA3),
     SGLANG_0523.key: Cell(True, "`srt/speculative/spec_info.py:43` (`EAGLE3`), `srt/models/llama_eagle3.py:272` "
-                                "(`LlamaForCausalLMEagle3`, `EntryClass` :387)", SGLANG, LAYERS),
+                                "(`LlamaForCausalLMEagle3`, `EntryClass` :387), :173-174 (`norm_before_fc`)", SGLANG,
+                          LAYERS),
     TGI_337.key: NO_TGI,
-    LLAMACPP.key: Cell(True, LLAMACPP_READS, llamacpp_command("draft-eagle3"),
+    LLAMACPP.key: Cell(True, LLAMACPP_READS + ", :33 and :131 (`norm_before_fc`)", llamacpp_command("draft-eagle3"),
                        "parity with draftheads verified here: docs/serving.md; an export of other than the default "
                        "layers is refused for it: its converter reads `eagle_aux_hidden_state_layer_ids` at the top "
                        "of `config.json` (`conversion/llama.py:77`), where the export writes them as vLLM reads them"),
@@ -75,8 +78,7 @@ EAGLE31 = Served("export/eagle3", "eagle3", {
                           "read, not run; " + LAYERS),
     TGI_337.key: NO_TGI,
     LLAMACPP.key: Cell(False, "; ".join(LLAMACPP_UNREAD.values()),
-                       note="an export with `norm_before_fc` alone is read (`src/models/eagle3.cpp:33`, :131) and "
-                            "served: `train/export.py RUN llamacpp=DIR` refuses the others"),
+                       note="`train/export.py RUN llamacpp=DIR` refuses such an export, naming the setting"),
 }, variant=FLAGS)
 
 NORM_BEFORE_RESIDUAL = Served("export/eagle3", "eagle3", {
