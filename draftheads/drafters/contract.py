@@ -19,6 +19,7 @@ from torch import nn
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.run_folder import CONFIG
+from draftheads.serving.llamacpp import LLAMACPP_LAYER_INPUTS
 from draftheads.serving.matrix import Served, served_target, serving_record, write_serving
 from draftheads.serving.preflight import Expect
 from draftheads.training.config import TargetStates
@@ -74,9 +75,10 @@ class Recipe:
     b11434 ``common/arg.cpp``), which llama.cpp's converter makes a GGUF of (``export/llama.cpp``); None: llama.cpp
     serves no such drafter."""
 
-    def llamacpp_unread(self, conf, trained: Trained) -> list[str]:
-        """Settings of ``trained`` that llama.cpp b11434 does not read, each with the source line that shows it:
-        its GGUF would load and serve another drafter, so the llama.cpp export refuses it. Default: none."""
+    def llamacpp_unread(self, conf, trained: Trained, target) -> list[str]:
+        """Settings of ``trained`` (and of its ``target``, a ``PreTrainedModel``) that llama.cpp b11434 does not
+        read, each with the source line that shows it: its GGUF would load and serve another drafter, or
+        llama-server stop, so the llama.cpp export refuses it. Default: none."""
         return []
 
     saved_entries: tuple[str, ...] = ()
@@ -352,17 +354,24 @@ class FeatureRecipe(Recipe):
         return super().served_reads(conf, trained, target) | {"aux_hidden_state_layers": Expect(
             [i + 1 for i in layers], self.layer_key, f"draftheads layers {layers}, each + 1, in the drafter's order")}
 
-    def llamacpp_unread(self, conf, trained: Trained) -> list[str]:
-        """The last target layer's output among the features: llama.cpp b11434 extracts the input of decoder layer
-        i (draftheads' i - 1), and past the last layer only from targets whose graph sets it
-        (``src/models/deepseek4.cpp:1329-1332``); a Llama target's sets layers 0..L-1 (``src/models/llama.cpp:127``),
-        so EAGLE-3 would read an unfilled state there (``common/speculative.cpp:603-604``) and DFlash stop at the
-        first decode (``src/llama-graph.cpp:1413``)."""
+    def llamacpp_unread(self, conf, trained: Trained, target) -> list[str]:
+        """A target whose llama.cpp graph extracts no layer inputs (:data:`LLAMACPP_LAYER_INPUTS`: llama-server
+        stops at its first decode, ``src/llama-graph.cpp:1413``), and the last target layer's output among the
+        features: llama.cpp b11434 extracts the input of decoder layer i (draftheads' i - 1), and past the last
+        layer only from targets whose graph sets it (``src/models/deepseek4.cpp:1329-1332``); a Llama target's
+        sets layers 0..L-1 (``src/models/llama.cpp:127``), so EAGLE-3 would read an unfilled state there
+        (``common/speculative.cpp:603-604``) and DFlash stop at the first decode."""
+        kind = target.config.model_type
+        graph = [] if kind in LLAMACPP_LAYER_INPUTS else [
+            f"the target ({kind}): llama.cpp's graph for it extracts no layer inputs (only "
+            f"{', '.join(sorted(LLAMACPP_LAYER_INPUTS))} here; src/models/<arch>.cpp sets res->t_layer_inp), so "
+            f"llama-server stops at its first decode (src/llama-graph.cpp:1413: layer input tensor is null)"]
         last = trained.model.config.num_target_layers - 1
         if last not in trained.model.target_layer_ids:
-            return []
-        return [f"{self.name}.target_layer_ids holds {last}, the last layer's output (llama.cpp's id {last + 1}, past "
-                f"its decoder layers): a Llama target's graph does not extract it (src/models/llama.cpp:127)"]
+            return graph
+        return graph + [f"{self.name}.target_layer_ids holds {last}, the last layer's output (llama.cpp's id "
+                        f"{last + 1}, past its decoder layers): a Llama target's graph does not extract it "
+                        f"(src/models/llama.cpp:127)"]
 
     def state_layers(self, conf, target) -> tuple[int, ...]:
         """:meth:`drafter_layers`, and the last layer when the objective reads the target's distribution

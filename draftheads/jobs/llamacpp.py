@@ -27,6 +27,7 @@ from draftheads.serving.llamacpp import (
     decode_speed,
     float_target,
     llamacpp_counts,
+    weights_type,
 )
 from draftheads.serving.llamacpp_env import BUILD, LlamaCpp, ensure_llamacpp
 from draftheads.serving.parity import TOLERANCE
@@ -39,7 +40,7 @@ def llamacpp_unread(run: SavedRun) -> list[str]:
     (:meth:`~draftheads.drafters.contract.Recipe.llamacpp_unread`), with which it would serve another drafter."""
     if run.recipe.llamacpp_spec is None:
         raise ValueError(f"{run.folder}: llama.cpp {BUILD} serves no {run.recipe.name} drafter (docs/serving.md)")
-    return run.recipe.llamacpp_unread(run.conf, run.trained)
+    return run.recipe.llamacpp_unread(run.conf, run.trained, run.target)
 
 
 def llamacpp_export(run: SavedRun, llamacpp: LlamaCpp, force: bool = False) -> Path:
@@ -57,21 +58,22 @@ def llamacpp_export(run: SavedRun, llamacpp: LlamaCpp, force: bool = False) -> P
 
 
 def served(llamacpp: LlamaCpp, model: Path, prompts: list[list[int]], max_tokens: int, threads: int,
-           **draft) -> tuple[list[dict], dict]:
+           repack: bool = True, **draft) -> tuple[list[dict], dict]:
     """Each prompt's greedy completion by one ``llama-server`` (``draft``: its ``draft``, ``spec_type``,
     ``n_max``), and what it says it read of the drafter (:meth:`~draftheads.serving.llamacpp.LlamaServer.readings`)."""
-    with LlamaServer(llamacpp, model, threads=threads, **draft) as server:
+    with LlamaServer(llamacpp, model, threads=threads, repack=repack, **draft) as server:
         return [server.complete(ids, max_tokens) for ids in prompts], server.readings()
 
 
 def parity_row(name: str, ours_plain: list[list[int]], ours: list[dict], plain: list[dict], spec: list[dict],
-               max_tokens: int, n_max: int, misread: list[str] = ()) -> dict:
+               max_tokens: int, n_max: int, misread: list[str] = (), tau_judged: bool = True) -> dict:
     """One eval set's row: the targets' greedy agreement, then on the prompts where they agree identical outputs
     and tau (1 + accepted / verification steps) ours against llama-server's, both counted as llama-server counts;
     tau over every prompt too; decode tokens per second with and without the drafter; ``misread``: what the server
     read of the drafter otherwise than we mean (:func:`~draftheads.serving.preflight.mismatches`). Parity: nothing
-    misread, some prompts agree, all of them decode identically, and tau differs by at most
-    :data:`~draftheads.serving.parity.TOLERANCE`."""
+    misread, some prompts agree, all of them decode identically, and, where ``tau_judged`` (a float32 target: the
+    drafter reads the hidden states ours reads), tau differs by at most :data:`~draftheads.serving.parity.TOLERANCE`;
+    a quantized target's drafter reads other hidden states, so its tau is reported, not judged."""
     agree = [i for i, (a, b) in enumerate(zip(ours_plain, plain)) if a == b["tokens"]]
     counted = [llamacpp_counts(o["steps"], len(o["tokens"]), max_tokens, n_max) for o in ours]
 
@@ -89,19 +91,20 @@ def parity_row(name: str, ours_plain: list[list[int]], ours: list[dict], plain: 
            "drafts_ours": sum(counted[i]["drafts"] for i in agree),
            "drafts_llamacpp": sum(theirs[i]["drafts"] for i in agree),
            "tokens_per_s_plain": speed["plain"], "tokens_per_s_drafter": speed["drafter"],
-           "speedup": speed["drafter"] / speed["plain"], "misread": list(misread)}
+           "speedup": speed["drafter"] / speed["plain"], "misread": list(misread), "tau_judged": tau_judged}
     row["parity"] = not misread and bool(agree) and row["identical"] == 1.0 and \
-        abs(row["tau_ours"] - row["tau_llamacpp"]) <= TOLERANCE
+        (not tau_judged or abs(row["tau_ours"] - row["tau_llamacpp"]) <= TOLERANCE)
     return row
 
 
 def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str | None = None,
                     target_gguf: str | None = None, draft_gguf: str | None = None, threads: int = 2,
-                    force: bool = False) -> list[dict]:
+                    force: bool = False, repack: bool = True) -> list[dict]:
     """Decode the run's eval prompts greedily with our evaluator (plain, and the chain of its export read back by
     the strict loader) and with ``llama-server`` on ``target_gguf`` (default: the run's target at float32,
     :func:`~draftheads.serving.llamacpp.float_target`, the weights our evaluator runs) without and with the
-    drafter's GGUF (default: :func:`llamacpp_export`'s; ``draft_gguf`` serves another). Prints the table, writes
+    drafter's GGUF (default: :func:`llamacpp_export`'s; ``draft_gguf`` serves another); ``repack=False``: the
+    server without ggml's repacked quantized kernels. Prints the table, writes
     ``<run>/llamacpp_parity.json``; raises ``SystemExit(1)`` without parity on every set. llama.cpp is made on
     first use (:func:`~draftheads.serving.llamacpp_env.ensure_llamacpp`, ``llamacpp_dir``)."""
     recipe = drafters.of_run(Path(run_dir))
@@ -112,6 +115,7 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
     unread = llamacpp_unread(run)
     draft = Path(draft_gguf) if draft_gguf else llamacpp_export(run, llamacpp, force)
     target = Path(target_gguf) if target_gguf else float_target(llamacpp, Path(run.target_path))
+    weights = weights_type(target)
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = recipe.chain(run.conf, run.trained, run.target)
     stop = stop_token_ids(tokenizer, run.target.generation_config)
@@ -126,13 +130,16 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
         for i in ids:
             r = speculative_decode(run.target, drafter, torch.tensor(i, device=device), budget, stop)
             ours.append({"tokens": r.tokens, "steps": r.accepted_per_step})
-        plain, _ = served(llamacpp, target, ids, budget, threads)
-        spec, read = served(llamacpp, target, ids, budget, threads, draft=draft, spec_type=recipe.llamacpp_spec,
-                            n_max=drafter.gamma)
-        rows.append(parity_row(name, ours_plain, ours, plain, spec, budget, drafter.gamma, mismatches(meant, read)))
-    print(f"\n{drafter.name} in llama.cpp {BUILD} ({target.name}, {threads} threads) vs draftheads, greedy, {budget} "
-          f"new tokens; parity: on the prompts where the targets agree, identical outputs and |tau difference| <= "
-          f"{TOLERANCE}", flush=True)
+        plain, _ = served(llamacpp, target, ids, budget, threads, repack)
+        spec, read = served(llamacpp, target, ids, budget, threads, repack, draft=draft,
+                            spec_type=recipe.llamacpp_spec, n_max=drafter.gamma)
+        rows.append(parity_row(name, ours_plain, ours, plain, spec, budget, drafter.gamma, mismatches(meant, read),
+                               weights == "ALL_F32"))
+    print(f"\n{drafter.name} in llama.cpp {BUILD} ({target.name}, {weights}, {threads} threads) vs draftheads, greedy, "
+          f"{budget} new tokens; parity: on the prompts where the targets agree, identical outputs and " +
+          (f"|tau difference| <= {TOLERANCE}" if weights == "ALL_F32" else
+           "tau reported, not judged (a quantized target: the drafter reads other hidden states than ours)"),
+          flush=True)
     print(f"{'set':<12}{'targets agree':>14}{'identical':>10}{'tau ours':>10}{'tau llama':>10}{'(all)':>14}"
           f"{'tok/s plain':>12}{'drafter':>9}{'speedup':>8}")
     for r in rows:
@@ -146,8 +153,8 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
         print("served anyway (force=true), though llama.cpp does not read: " + "; ".join(unread))
     (Path(run_dir) / "llamacpp_parity.json").write_text(json.dumps(
         {"method": drafter.name, "llama.cpp": BUILD, "spec_type": recipe.llamacpp_spec, "n_max": drafter.gamma,
-         "target": run.target_path, "target_gguf": str(target), "draft_gguf": str(draft), "threads": threads,
-         "max_new_tokens": budget, "unread": unread, "rows": rows}, indent=1))
+         "target": run.target_path, "target_gguf": str(target), "draft_gguf": str(draft), "weights": weights,
+         "threads": threads, "repack": repack, "max_new_tokens": budget, "unread": unread, "rows": rows}, indent=1))
     if not all(r["parity"] for r in rows):
         raise SystemExit(1)
     return rows
@@ -155,9 +162,10 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
 
 def cli(argv: list[str], usage: str = __doc__) -> list[dict]:
     """``train/llamacpp_parity.py``'s command line: the run, ``llamacpp=DIR``, ``target_gguf=``, ``draft_gguf=``,
-    ``threads=``, ``force=true``, config overrides."""
-    run_dir, options, overrides = parse_args(argv, ("llamacpp", "target_gguf", "draft_gguf", "threads", "force"),
-                                             usage)
+    ``threads=``, ``force=true``, ``repack=false``, config overrides."""
+    run_dir, options, overrides = parse_args(
+        argv, ("llamacpp", "target_gguf", "draft_gguf", "threads", "force", "repack"), usage)
     return llamacpp_parity(run_dir, overrides, options.get("llamacpp"), options.get("target_gguf"),
                            options.get("draft_gguf"), int(options.get("threads", 2)),
-                           options.get("force", "false").lower() == "true")
+                           options.get("force", "false").lower() == "true",
+                           options.get("repack", "true").lower() == "true")

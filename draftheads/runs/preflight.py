@@ -160,7 +160,7 @@ def llamacpp_preflight(job: Job, recipe: Recipe) -> dict:
     with tempfile.TemporaryDirectory(prefix="draftheads-preflight-") as tmp:
         trained = recipe.untrained(job, Path(tmp))
         meant = {k: e for k, e in recipe.served_reads(conf, trained, target).items() if k in READINGS}
-        unread = recipe.llamacpp_unread(conf, trained)
+        unread = recipe.llamacpp_unread(conf, trained, target)
         print(f"llama.cpp preflight: llama-server ({llamacpp.root}) loads {recipe.name}'s untrained export", flush=True)
         try:
             draft = convert(llamacpp, Path(tmp) / recipe.vllm_weights, Path(job.target_path), Path(tmp) / DRAFT_GGUF)

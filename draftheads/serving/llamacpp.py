@@ -44,6 +44,14 @@ EAGLE-3's at :550), from its log at verbosity 4."""
 TARGET_GGUF = "target-f32.gguf"
 """The float target's GGUF, written inside the target's folder: the weights our evaluator runs, as llama.cpp
 reads them."""
+LLAMACPP_LAYER_INPUTS = {
+    "llama": "src/models/llama.cpp:127",
+    "mistral": "src/models/llama.cpp:127 (its converter makes a Mistral target arch llama: conversion/__init__.py:194)",
+    "qwen3": "src/models/qwen3.cpp:72",
+}
+"""Targets (``config.model_type``) whose llama.cpp b11434 graph records each layer's input, which its EAGLE-3 and
+DFlash drafters read, with the line that does; Gemma 3's (``src/models/gemma3.cpp``) does not. Other graphs that
+do (Qwen3-MoE, Qwen3-Next, Gemma 4, ...) are not listed until a target of theirs is tried here."""
 
 
 def convert(llamacpp: LlamaCpp, folder: Path, target_dir: Path | None, out: Path, outtype: str = "f32") -> Path:
@@ -71,6 +79,14 @@ def float_target(llamacpp: LlamaCpp, target_dir: Path) -> Path:
     return path if path.is_file() else convert(llamacpp, Path(target_dir), None, path)
 
 
+def weights_type(gguf: Path) -> str:
+    """A GGUF's ``general.file_type`` by gguf-py's name for it (``ALL_F32``, ``MOSTLY_Q4_1``, ...; ``unknown``
+    where the file does not say), read without loading the tensors."""
+    from gguf import GGUFReader, LlamaFileType
+    field = GGUFReader(gguf).fields.get("general.file_type")
+    return LlamaFileType(int(field.parts[field.data[0]][0])).name if field else "unknown"
+
+
 def llamacpp_counts(accepted_per_step: list[int], n_tokens: int, max_new_tokens: int, n_max: int) -> dict:
     """Our chain decoding of one prompt counted as llama-server counts it: ``drafts`` (verification steps with a
     draft) and ``accepted``, each step's draft cut to the tokens left minus one (``get_n_draft_max``).
@@ -92,18 +108,21 @@ def llamacpp_counts(accepted_per_step: list[int], n_tokens: int, max_new_tokens:
 class LlamaServer:
     """``llama-server`` on ``model`` (a GGUF), with ``draft`` under ``spec_type`` (``draft-eagle3``,
     ``draft-dflash``, ``draft-dspark``) drafting ``n_max`` tokens, on ``threads`` CPU threads; a context manager
-    that stops it. Raises ``RuntimeError`` with the server's last log lines when it exits before it is ready (a
-    GGUF it refuses), or is not ready within ``timeout`` seconds."""
+    that stops it. ``repack=False`` passes ``--no-repack``: ggml's repacked kernels for quantized weights die on
+    some CPUs (SIGILL at the warm-up on this project's AMX Xeons; docs/serving.md). Raises ``RuntimeError`` with
+    the server's last log lines when it exits before it is ready (a GGUF it refuses), or is not ready within
+    ``timeout`` seconds."""
 
     def __init__(self, llamacpp: LlamaCpp, model: Path, draft: Path | None = None, spec_type: str | None = None,
-                 n_max: int | None = None, threads: int = 2, ctx_size: int = 4096, timeout: float = 180):
+                 n_max: int | None = None, threads: int = 2, ctx_size: int = 4096, repack: bool = True,
+                 timeout: float = 180):
         self.port = _free_port()
         handle, log = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         os.close(handle)
         self.log = Path(log)
         cmd = [str(llamacpp.server), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
                "-t", str(threads), "-tb", str(threads), "-c", str(ctx_size), "-np", "1", "--metrics",
-               "--no-webui", "--offline", "-lv", "4"]
+               "--no-webui", "--offline", "-lv", "4"] + ([] if repack else ["--no-repack"])
         if draft is not None:
             cmd += ["-md", str(draft), "--spec-type", spec_type, "--spec-draft-n-max", str(n_max),
                     "--spec-draft-n-min", "0", "--spec-draft-p-min", "0", "-td", str(threads)]
@@ -114,7 +133,11 @@ class LlamaServer:
             if self.proc.poll() is not None:
                 tail = self._tail()
                 self.close()
-                raise RuntimeError(f"llama-server refused {draft or model} (exit {self.proc.returncode}): {tail}")
+                died = (f"; it died of signal {-self.proc.returncode}: if its quantized weights' repacked kernels "
+                        f"fault on this CPU, repack=false (--no-repack) serves them") \
+                    if self.proc.returncode < 0 and repack else ""
+                raise RuntimeError(f"llama-server refused {draft or model} (exit {self.proc.returncode}{died}): "
+                                   f"{tail}")
             try:
                 if json.loads(self._get("/health")).get("status") == "ok":
                     return

@@ -4,7 +4,7 @@ no prompt cache; every drafter against the same plain baseline in one run, with 
 (1 + accepted / verification steps).
 
     python tests/benchmarks/bench_llamacpp_speed.py runs/eagle3 runs/dflash [--target-gguf PATH] [--prompts 16] \
-        [--llamacpp .llamacpp]
+        [--llamacpp .llamacpp] [--no-repack]
 
 Each run needs ``train/llamacpp_parity.py RUN`` first (its ``llamacpp_parity.json`` names the drafter's GGUF, the
 spec type, the draft length and the target GGUF, the default ``--target-gguf``). Run it alone on the machine:
@@ -37,6 +37,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llamacpp", help="llama.cpp's folder (default: $DRAFTHEADS_LLAMACPP, else the cache's)")
+    parser.add_argument("--no-repack", dest="repack", action="store_false",
+                        help="llama-server --no-repack (a quantized target whose repacked kernels fault on this CPU)")
     args = parser.parse_args()
     llamacpp = ensure_llamacpp(args.llamacpp)
     served = [json.loads((r / "llamacpp_parity.json").read_text()) for r in args.runs]
@@ -46,16 +48,16 @@ def main() -> None:
     sets = load_eval_sets(replace(conf.eval, enabled=True), tokenizer)
     prompts = [target_prompt_ids(tokenizer, p) for p in next(iter(sets.values()))]
     prompts = prompts[:args.prompts]
-    with LlamaServer(llamacpp, target, threads=args.threads) as server:
+    with LlamaServer(llamacpp, target, threads=args.threads, repack=args.repack) as server:
         plain = decode_speed([server.complete(ids, args.tokens) for ids in prompts])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"llama.cpp {BUILD}, target {target.name}, {args.threads} threads, {len(prompts)} prompts x {args.tokens} "
-          f"new tokens, commit {commit}")
+    print(f"llama.cpp {BUILD}, target {target.name}{'' if args.repack else ' (--no-repack)'}, {args.threads} threads, "
+          f"{len(prompts)} prompts x {args.tokens} new tokens, commit {commit}")
     print(f"{'drafter':<32}{'tok/s':>8}{'speedup':>9}{'tau':>7}")
     print(f"{'none':<32}{plain:>8.1f}{1:>8.2f}x")
     for run, s in zip(args.runs, served):
         with LlamaServer(llamacpp, target, Path(s["draft_gguf"]), s["spec_type"], s["n_max"],
-                         threads=args.threads) as server:
+                         threads=args.threads, repack=args.repack) as server:
             done = [server.complete(ids, args.tokens) for ids in prompts]
         tau = 1 + sum(d["draft_n_accepted"] for d in done) / max(sum(d["drafts"] for d in done), 1)
         tps = decode_speed(done)

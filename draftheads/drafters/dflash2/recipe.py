@@ -35,7 +35,7 @@ class DFlash2(DFlash):
     """DFlash's runtime: the export's architecture (``DFlash2DraftModel``) chooses the speculator
     (``v1/worker/gpu/spec_decode/__init__.py:34``; speculators' ``update_dflash2``)."""
 
-    def llamacpp_unread(self, conf: DFlash2RunConfig, trained: Trained) -> list[str]:
+    def llamacpp_unread(self, conf: DFlash2RunConfig, trained: Trained, target) -> list[str]:
         """DFlash's (:meth:`~draftheads.drafters.contract.FeatureRecipe.llamacpp_unread`), and a selector whose top-k
         lattice does not fit the hidden size as llama.cpp lays it out (``src/models/dflash.cpp:149-150``: it refuses a
         hidden size under top-k * (top-k + 1))."""
@@ -44,7 +44,7 @@ class DFlash2(DFlash):
             f"dflash2.selector_top_k={k}: llama.cpp lays the selector's lattice out in the hidden state and refuses a "
             f"hidden size under top-k * (top-k + 1) = {k * (k + 1)} (this drafter's: {width}; "
             f"src/models/dflash.cpp:149-150)"]
-        return super().llamacpp_unread(conf, trained) + lattice
+        return super().llamacpp_unread(conf, trained, target) + lattice
 
     def check_settings(self, conf: DFlash2RunConfig, target) -> None:
         """DFlash's block, the convolution's taps within it and its groups dividing the width, a selector of rank
