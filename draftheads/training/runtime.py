@@ -64,15 +64,21 @@ def settle_precision(cfg: DictConfig, conf) -> str:
     """Settle ``trainer.mixed_precision`` and ``model.dtype`` on this machine
     (:func:`~draftheads.models.precision.choose_precision`, :func:`~draftheads.models.precision.auto_dtype`):
     ``auto`` becomes the value chosen, in both the composed ``cfg`` (so ``config.yaml`` records what was in effect)
-    and the typed ``conf``. Returns the line saying what was chosen and why (a warning where an explicit bf16 or
-    fp16 will be emulated)."""
+    and the typed ``conf``. ``auto`` with a bfloat16 target (``model.dtype=bfloat16``) is bf16 autocast wherever
+    bf16 is emulated too: the drafter meets the target's bf16 states, which float32 layers would refuse. Returns
+    the line saying what was chosen and why (a warning where an explicit bf16 or fp16 will be emulated)."""
     precision = choose_precision(str(conf.trainer.mixed_precision))
-    conf.trainer.mixed_precision = cfg.trainer.mixed_precision = MixedPrecision(precision.value)
     line = precision.line
     if conf.model.dtype == Dtype.auto:
         dtype, why = auto_dtype()
         conf.model.dtype = cfg.model.dtype = Dtype(str(dtype).removeprefix("torch."))
         line += f"; target weights: {conf.model.dtype} (model.dtype=auto: {why})"
+    value = precision.value
+    if precision.requested == "auto" and value == "no" and conf.model.dtype == Dtype.bfloat16:
+        value = "bf16"
+        line += ("; bf16 autocast after all, emulated: the target's weights are bfloat16 (model.dtype), so the "
+                 "drafter meets its states in bf16")
+    conf.trainer.mixed_precision = cfg.trainer.mixed_precision = MixedPrecision(value)
     return line
 
 

@@ -70,3 +70,21 @@ def test_a_resume_with_auto_takes_the_runs_optimizer_and_refuses_another(tmp_pat
     assert recorded_setting(tmp_path, "trainer.optimizer") == "muon"
     with pytest.raises(ValueError, match="trainer.optimizer: the run has 'muon', this command 'adamw'"):
         check_resume(tmp_path, smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=adamw", "resume=true"))
+
+
+@pytest.mark.parametrize("dtype, chosen", [("bfloat16", "bf16"), ("float32", "no")])
+def test_auto_precision_takes_bf16_autocast_for_a_bf16_target_where_bf16_is_emulated(monkeypatch, tmp_path, dtype,
+                                                                                     chosen):
+    """Where bf16 is emulated ``auto`` is float32, except beside a bfloat16 target, whose states float32 layers
+    would refuse (``mat1 and mat2 must have the same dtype``): there it is bf16 autocast, and the line says why."""
+    from draftheads.models.precision import Precision
+    from draftheads.training import runtime
+    from draftheads.training.config import to_schema
+    from tests.helpers import smoke
+    monkeypatch.setattr(runtime, "choose_precision", lambda requested: Precision(
+        requested, "no", "precision: float32 (trainer.mixed_precision=auto: bf16 is emulated)", False))
+    cfg = smoke("medusa", tmp_path, tmp_path, f"model.dtype={dtype}", "trainer.mixed_precision=auto")
+    conf = to_schema(cfg)
+    line = runtime.settle_precision(cfg, conf)
+    assert conf.trainer.mixed_precision.value == cfg.trainer.mixed_precision == chosen
+    assert ("bf16 autocast after all" in line) == (chosen == "bf16")
