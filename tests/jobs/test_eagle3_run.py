@@ -34,7 +34,7 @@ def peers(tmp_path_factory, cache_dir):
 def eagle3_run(tmp_path_factory, cache_dir, peers):
     out = tmp_path_factory.mktemp("eagle3")
     report = run_eagle3(cfg("eagle3", out, cache_dir, *OWN, "trainer.keep_last=100",
-                            f"eval.peer_runs=[{peers[0]},{peers[1]}]"))
+                            f"eval.peer_runs=[{peers[0]},{peers[1]}]", "eval.peers=null"))  # every method
     return out, report
 
 

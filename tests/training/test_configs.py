@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import MissingMandatoryValue, ValidationError
 
-from draftheads.drafters import DRAFTERS, get, register_configs
+from draftheads.drafters import DRAFTERS, check_method_names, get, register_configs
 from draftheads.training.config import RegenerateConfig, to_schema
 from tests.helpers import ROOT
 
@@ -52,6 +52,17 @@ def test_the_dspark_job_warm_starts_where_its_target_has_a_dflash_job():
     assert start("train.epochs=2")[:2] == ("runs/dflash", 2)
     assert start("dspark.init_from=null", "train.epochs=10")[:2] == (None, 10)
     assert start("+experiment=smoke") == (None, 10, None) == start("model=gemma3")
+
+
+@pytest.mark.parametrize("job", sorted(JOBS))
+def test_every_jobs_peers_name_methods_and_the_dflash_jobs_keep_their_evaluation_short(job):
+    """The default jobs measure the drafter under test beside a few named peers, each a real method (a typo here
+    would fail every job when it opens); the DFlash and EAGLE-3 jobs leave out Medusa's chain and DFlash's
+    denoising, each a decoding of every prompt."""
+    peers = to_schema(_compose(job=job)).eval.peers
+    check_method_names(peers or ())
+    if job in ("dflash", "eagle3"):
+        assert "medusa_tree" in peers and not {"medusa_chain", "dflash_denoise4"} & set(peers)
 
 
 def test_default_is_the_real_smollm2_job():
