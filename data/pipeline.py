@@ -22,6 +22,7 @@ from draftheads.data.regenerate import (
     cache_key,
     regenerate,
     resolve_reasoning,
+    settings_key,
 )
 from draftheads.data.self_made import NearDuplicates, cache_file, distinct_bigrams, self_made_prompts
 from draftheads.data.sources import row_location
@@ -223,12 +224,13 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     Called on every rank (``barrier`` a collective wait), the ranks share the regeneration. Regenerated
     conversations are cached under ``<cache_dir>/regenerated/<key>.jsonl``, ``key`` hashing the
     target identity, its chat template, the conversations (with their thinking modes), the generation settings
-    and the backend; a second run reads them back. With ``data.thinking_fraction`` the training and the
-    validation conversations each get that share in thinking mode (:func:`with_thinking`, seeded by
-    ``data.generation.seed``), rendered, answered and trained in it; the rows carry ``thinking`` and the report
-    counts them. ``held_out``: the eval prompts' texts, which the training prompts are checked against
-    (:func:`near_eval`, in the report's ``near_eval``); ``vllm``: what :func:`make_backend` needs for
-    ``data.generation.engine=vllm``.
+    and the backend; a second run reads them back, and a run over other conversations with the same target and
+    settings takes the answers earlier caches hold (``settings_key``: a larger data set answers only its new
+    rows). With ``data.thinking_fraction`` the training and the validation conversations each get that share in
+    thinking mode (:func:`with_thinking`, seeded by ``data.generation.seed``), rendered, answered and trained in
+    it; the rows carry ``thinking`` and the report counts them. ``held_out``: the eval prompts' texts, which the
+    training prompts are checked against (:func:`near_eval`, in the report's ``near_eval``); ``vllm``: what
+    :func:`make_backend` needs for ``data.generation.engine=vllm``.
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, a thinking fraction outside [0, 1]
     or one for a template with no thinking switch, or no trainable token left; ``RuntimeError`` for more failed
     answers than ``data.max_failed_fraction`` allows (:func:`check_failed`).
@@ -256,7 +258,8 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
         key = cache_key(model_id, messages, data_cfg.generation, backend.name, tokenizer.chat_template)
         answered = regenerate(backend, messages, data_cfg.generation.batch_size,
                               Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress,
-                              rank, world_size, barrier)
+                              rank, world_size, barrier,
+                              settings_key(model_id, data_cfg.generation, backend.name, tokenizer.chat_template))
         report.failed = sum(r.error is not None for r in answered)
         check_failed(answered, data_cfg.max_failed_fraction)
         by_key = {(r.source, r.row): r for r in answered if r.error is None}

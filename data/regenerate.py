@@ -283,9 +283,43 @@ def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, b
     return h.hexdigest()[:20]
 
 
+def settings_key(model_id: dict, settings: GenerationSettings, backend: str, chat_template: str | None) -> str:
+    """Hash of what makes an answer, whichever conversations are answered: the target's identity and chat
+    template, the generation settings and the backend. Caches with the same settings key lend each other
+    answers (:func:`regenerate`'s ``settings``)."""
+    made = {k: v for k, v in asdict(settings).items() if k != "engine"}
+    return hashlib.sha256(json.dumps([model_id, made, backend, chat_template], sort_keys=True).encode()
+                          ).hexdigest()[:20]
+
+
+def _turns(messages, thinking: bool | None) -> str:
+    """What the target is asked in a conversation, whatever its source calls it: the system prompt, every user
+    turn and the thinking mode (a dataset's own assistant turns are replaced, so they do not count)."""
+    asked = [m for m in messages[:1] if m["role"] == "system"] + [m for m in messages if m["role"] == "user"]
+    return json.dumps([asked, thinking], sort_keys=True)
+
+
+def _borrow(chats: list[Chat], cache_file: Path, settings: str, into: Path) -> int:
+    """Append to ``into`` the answers that finished caches beside ``cache_file`` made with the same settings key
+    hold for ``chats`` (matched by what the target is asked, not by source and row). Returns how many."""
+    wanted = {_turns(c.messages, c.thinking): c for c in chats}
+    borrowed = []
+    for mark in sorted(cache_file.parent.glob("*.jsonl.settings")):
+        lender = mark.with_suffix("")
+        if lender == cache_file or not lender.exists() or mark.read_text() != settings or not wanted:
+            continue
+        for r in _read(lender):
+            c = wanted.pop(_turns(r.messages, r.thinking), None)
+            if c is not None and r.error is None:
+                borrowed.append(Regenerated(c.source, c.row, r.messages, r.unfinished, thinking=c.thinking))
+    with open(into, "a") as f:
+        f.writelines(json.dumps(asdict(r)) + "\n" for r in borrowed)
+    return len(borrowed)
+
+
 def regenerate(backend: Backend, chats: list[Chat], batch_size: int, cache_file: str | Path,
                show_progress: bool = True, rank: int = 0, world_size: int = 1,
-               barrier: Callable[[], None] = lambda: None) -> list[Regenerated]:
+               barrier: Callable[[], None] = lambda: None, settings: str | None = None) -> list[Regenerated]:
     """Answer every conversation with the backend in chunks of ``batch_size``, reusing and extending
     ``cache_file`` (JSONL, one :class:`Regenerated` per line).
 
@@ -293,16 +327,32 @@ def regenerate(backend: Backend, chats: list[Chat], batch_size: int, cache_file:
     file is renamed to ``cache_file`` when every conversation succeeded. Returns results in the order of
     ``chats``, failed ones (``error`` set) included; those are retried by the next run.
 
+    ``settings`` (:func:`settings_key`, recorded in ``<cache_file>.settings``; None: nothing borrowed):
+    conversations that another finished cache in ``cache_file``'s folder made with the same settings key answers
+    (the same system prompt, user turns and thinking mode) are taken from it instead of asking the backend, so a
+    larger data set reuses a smaller one's answers (at temperature > 0 a borrowed answer is another draw from the
+    same distribution).
+
     With ``world_size`` > 1 (call it on every rank, ``barrier`` being a collective wait), each rank answers its
     share of what is left into ``<cache_file>.partial.rank<r>`` (resuming from every rank's partial file, so
     the number of ranks may change between runs), then rank 0 merges them; every rank returns the same results.
     """
     cache_file = Path(cache_file)
+    mark = cache_file.with_name(cache_file.name + ".settings")
+    if rank == 0 and settings is not None and not mark.exists():  # a cache made before settings keys lends too
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        mark.write_text(settings)
     if cache_file.exists():
         return _read(cache_file)
     mine = cache_file.with_name(cache_file.name + ".partial" + (f".rank{rank}" if world_size > 1 else ""))
     if mine.exists():  # drop a line cut by a kill, else the next line appended to it is unreadable too
         _write(mine, [r for r in _read(mine) if r.error is None])
+    if rank == 0 and settings is not None:
+        answered = _merge(cache_file)
+        lent = _borrow([c for c in chats if (c.source, c.row) not in answered], cache_file, settings, mine)
+        if lent and show_progress:
+            print(f"regeneration: {lent} of {len(chats)} conversations answered by earlier caches with the same "
+                  "target and settings", flush=True)
     barrier()  # every partial file is clean before any rank reads them
     done = _merge(cache_file)
     barrier()  # every rank has the same view of what is done before any rank appends

@@ -577,6 +577,39 @@ def test_regenerate_survives_a_second_kill_after_resuming(target, regenerated, t
     assert not {tuple(b[0]) for b in first} & {tuple(b[0]) for b in second}
 
 
+def test_a_larger_set_borrows_the_answers_a_smaller_cache_with_the_same_settings_holds(target, regenerated, tmp_path,
+                                                                                   monkeypatch):
+    """A data set that grows (the data-scaling curve, a user adding rows) asks the target only for its new
+    conversations: a finished cache made with the same settings key lends the others, matched by what the target
+    is asked (a row renumbered by another source keeps its answer; a row whose turns changed does not), and the
+    new cache holds every answer, as if answered here. A cache made before settings keys lends once read with
+    its key. Another settings key lends nothing."""
+    model, tokenizer, _ = target
+    chats, _, reference = regenerated
+    small = tmp_path / "small.jsonl"
+    regenerate(TransformersBackend(model, tokenizer, SETTINGS), chats[:3], SETTINGS.batch_size, small,
+               show_progress=False)  # no settings key: an older version's cache
+    assert not list(tmp_path.glob("*.settings"))
+    regenerate(TransformersBackend(model, tokenizer, SETTINGS), chats[:3], SETTINGS.batch_size, small,
+               show_progress=False, settings="same")  # read back: its key recorded
+    renumbered = replace(chats[1], source="other.jsonl", row=7)  # the same turns under another name
+    changed = replace(chats[2], messages=({"role": "user", "content": "Something else entirely?"},))
+    grown = [chats[0], renumbered, changed, chats[3], chats[4]]
+    calls = []
+    monkeypatch.setattr(regen_mod, "generate_ids", recording_generate(calls))
+    backend = TransformersBackend(model, tokenizer, SETTINGS)
+    results = regenerate(backend, grown, SETTINGS.batch_size, tmp_path / "grown.jsonl", show_progress=False,
+                         settings="same")
+    asked = sorted(ids for batch in calls for ids in batch)
+    assert asked == sorted(prompt_ids(tokenizer, c.messages[:1]) for c in (changed, chats[3], chats[4]))
+    assert results[0] == reference[0] and results[1] == replace(reference[1], source="other.jsonl", row=7)
+    assert [r.messages for r in results[3:]] == [r.messages for r in reference[3:5]]
+    calls.clear()
+    regenerate(backend, chats[:3], SETTINGS.batch_size, tmp_path / "other.jsonl", show_progress=False,
+               settings="another")
+    assert len(calls) == 2  # nothing borrowed (batches of 2): all three asked
+
+
 def test_batched_left_padded_generation_equals_per_prompt(target):
     model, tokenizer, _ = target
     texts = ["Hi!", "What did you do over the weekend? I went hiking.",
