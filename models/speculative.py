@@ -105,6 +105,11 @@ class ChainDrafter(Protocol):
                 hidden state alone (tree verification).
         """
 
+    # Optional: a drafter whose proposal at each position depends on the token drafted before it (DFlash 2's
+    # selector walk) draws its own tokens instead of returning logits for the evaluator to draw from:
+    # ``draft_tokens(hidden_state, last_token, features, tokens, sampling, generator) -> (draft [g], q [g, V] or
+    # None)``, as :func:`propose` returns them, each draft drawn from the q it is verified against.
+
 
 @dataclass
 class DecodeResult:
@@ -273,7 +278,11 @@ def speculative_decode(target: PreTrainedModel, drafter: ChainDrafter, prompt_id
     result.tokens, done = cut_at_stop([x0], max_new_tokens, stop)
     while not done:
         t = time.perf_counter()
-        draft, q = propose(drafter.draft_logits(hidden, x0, features, committed).float().cpu(), sampling, generator)
+        if hasattr(drafter, "draft_tokens"):
+            draft, q = drafter.draft_tokens(hidden, x0, features, committed, sampling, generator)
+        else:
+            draft, q = propose(drafter.draft_logits(hidden, x0, features, committed).float().cpu(), sampling,
+                               generator)
         if verify is not None:
             b = verify(len(draft))
             if not 0 <= b <= len(draft):

@@ -135,6 +135,32 @@ def test_the_walk_takes_the_best_candidate_after_the_previous_choice(tiny, draft
     assert walked != unary.argmax(-1).tolist()  # the selector changed the path: the test sees the walk
 
 
+def test_the_sampled_walk_continues_from_the_drawn_token(tiny, drafter):
+    """vLLM's probabilistic walk (``draft_sample_method: probabilistic``, ``eval.proposal=sample``): position k's
+    q is the temperature-processed scores of its top-k after the token drawn at k-1, and the walk goes on from
+    that token, not from the best; over many draws a second position follows a first one that was not its best."""
+    model, _ = tiny
+    ids = torch.randint(4, 500, (1, 16), generator=torch.Generator().manual_seed(3))
+    features = layer_features(model, ids, torch.ones_like(ids), LAYERS)[0]
+    chain, sampling = DFlash2Drafter(drafter), Sampling(temperature=1.5, proposal=Proposal.sample)
+    chain.start()
+    chain._extend(features)  # the context once, as draft_logits would on its first call
+    with torch.no_grad():
+        unary, candidates, scores = chain._scores(9, None)
+    gen, off_best = torch.Generator().manual_seed(0), 0
+    for _ in range(40):
+        draft, q = chain.draft_tokens(None, 9, None, None, sampling, gen)
+        previous = 0
+        for k in range(4):
+            row = torch.full_like(unary[k], float("-inf"))
+            row[candidates[k]] = scores[k, previous]
+            torch.testing.assert_close(q[k], sampling.probs(row))
+            assert q[k, draft[k]] > 0
+            previous = int((candidates[k] == draft[k]).nonzero()[0])
+        off_best += int(draft[0]) != int(candidates[0, scores[0, 0].argmax()])
+    assert off_best > 0  # some walks went on from a token that was not the best
+
+
 def test_greedy_dflash2_decoding_equals_plain_greedy(tiny, drafter):
     from draftheads.data.regenerate import prompt_ids
     model, tok = tiny

@@ -29,6 +29,7 @@ from transformers import PreTrainedModel
 
 from draftheads.drafters.dflash.model import DFlashDraftModel, DFlashDrafter
 from draftheads.drafters.dflash.model import draft_config as dflash_draft_config
+from draftheads.models.speculative import Proposal, Sampling, propose
 from draftheads.training.held_out import chain_estimates
 from draftheads.training.lm_head_loss import drafted_loss
 from draftheads.training.objectives import chain_weights, normalise
@@ -247,18 +248,22 @@ class DFlash2Drafter(DFlashDrafter):
     ``-inf`` elsewhere, as vLLM's ``draft_logits`` cache (``_cache_draft_logits_kernel``), so the verifier checks
     the walk's distribution; gamma = S - 1.
 
-    At temperature > 0 with ``eval.proposal=sample`` each position's draft is drawn from its candidates' scores
-    while the walk continues from the best one (lossless, as every draft is drawn from the q it is verified
-    against; vLLM's probabilistic walk continues from the drawn one); ``eval.proposal=argmax`` is vLLM's default.
+    At temperature > 0, ``eval.proposal=argmax`` is vLLM's default (``draft_sample_method: greedy``): the greedy
+    walk, its drafts verified as one-hot proposals. ``eval.proposal=sample`` is vLLM's ``draft_sample_method:
+    probabilistic`` (``_selector_walk_kernel`` with ``SAMPLE_PROBABILISTIC``): each position's draft is drawn from
+    its candidates' scores after the token drawn before it, and the walk continues from the drawn one
+    (:meth:`draft_tokens`); lossless, as each draft is drawn from the q it is verified against.
     """
 
     def __init__(self, model: DFlash2DraftModel):
         super().__init__(model)
         self.name = "dflash2"
 
-    @torch.inference_mode()
-    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
-                     tokens: torch.Tensor | None) -> torch.Tensor:
+    def _scores(self, last_token: int, features: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                 torch.Tensor]:
+        """The block's unary logits ``[S-1, V]``, each mask position's top-k candidates ``[S-1, K]`` and their
+        scores after each candidate of the position before ``[S-1, P, K]`` (the first position's P rows: the
+        anchor's, all the same), float32."""
         ids, positions = self._block(last_token, features)
         model, k = self.model, self.model.candidate_selector.top_k
         hidden = model.blocks(ids, positions, self._context, None)[0, 1:]  # [S-1, D]: the mask positions
@@ -267,10 +272,38 @@ class DFlash2Drafter(DFlashDrafter):
         before = torch.cat([ids[0, :1].expand(1, k), candidates[:-1]])  # [S-1, K]: the anchor, then each position's
         scores = unary.gather(1, candidates)[:, None, :] + model.candidate_selector.transitions(
             hidden, before, candidates).float()  # [S-1, P, K]: after the previous position's candidate P
+        return unary, candidates, scores
+
+    @torch.inference_mode()
+    def draft_logits(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                     tokens: torch.Tensor | None) -> torch.Tensor:
+        """The greedy walk's proposal logits ``[S-1, V]``: each position's candidates scored after the best
+        candidate of the position before, ``-inf`` elsewhere."""
+        unary, candidates, scores = self._scores(last_token, features)
         out = torch.full_like(unary, float("-inf"))
         previous = 0  # the anchor: every row of the first position's scores is the same
-        for position in range(len(hidden)):
+        for position in range(len(candidates)):
             row = scores[position, previous]
             out[position, candidates[position]] = row
             previous = int(row.argmax())
         return out
+
+    @torch.inference_mode()
+    def draft_tokens(self, hidden_state: torch.Tensor, last_token: int, features: torch.Tensor | None,
+                     tokens: torch.Tensor | None, sampling: Sampling,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens ``[S-1]`` and the probabilities ``[S-1, V]`` each was drawn from (None when greedy), as
+        :func:`~draftheads.models.speculative.propose` returns them. Greedy or ``argmax``: the greedy walk.
+        ``sample``: vLLM's probabilistic walk, position k drawn from ``sampling.probs`` of its candidates' scores
+        after the token drawn at k-1."""
+        if sampling.greedy or sampling.proposal == Proposal.argmax:
+            return propose(self.draft_logits(hidden_state, last_token, features, tokens).cpu(), sampling, generator)
+        unary, candidates, scores = self._scores(last_token, features)
+        q, draft, previous = torch.zeros_like(unary).cpu(), [], 0
+        for position in range(len(candidates)):
+            row = torch.full_like(unary[position], float("-inf"))
+            row[candidates[position]] = scores[position, previous]
+            q[position] = sampling.probs(row).cpu()
+            draft.append(int(torch.multinomial(q[position], 1, generator=generator)))
+            previous = int((candidates[position] == draft[-1]).nonzero()[0])
+        return torch.tensor(draft), q
