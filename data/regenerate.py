@@ -275,8 +275,7 @@ def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, b
     """Hash of the target's identity and chat template, the conversations (and each one's thinking mode when it
     is not the template's default), the generation settings and the backend (which names the engine: the
     ``engine`` setting itself stays out, so caches made before it existed keep their keys)."""
-    made = {k: v for k, v in asdict(settings).items() if k != "engine"}
-    h = hashlib.sha256(json.dumps([model_id, made, backend, chat_template], sort_keys=True).encode())
+    h = hashlib.sha256(_answer_maker(model_id, settings, backend, chat_template))
     for c in chats:
         mode = [] if c.thinking is None else [c.thinking]  # the default's keys stay those of caches made before
         h.update(json.dumps([c.source, c.row, c.messages, *mode]).encode())
@@ -287,9 +286,14 @@ def settings_key(model_id: dict, settings: GenerationSettings, backend: str, cha
     """Hash of what makes an answer, whichever conversations are answered: the target's identity and chat
     template, the generation settings and the backend. Caches with the same settings key lend each other
     answers (:func:`regenerate`'s ``settings``)."""
+    return hashlib.sha256(_answer_maker(model_id, settings, backend, chat_template)).hexdigest()[:20]
+
+
+def _answer_maker(model_id: dict, settings: GenerationSettings, backend: str, chat_template: str | None) -> bytes:
+    """The part of both keys that says what makes an answer (the ``engine`` setting stays out: the backend's name
+    says it, and caches made before the setting existed keep their keys)."""
     made = {k: v for k, v in asdict(settings).items() if k != "engine"}
-    return hashlib.sha256(json.dumps([model_id, made, backend, chat_template], sort_keys=True).encode()
-                          ).hexdigest()[:20]
+    return json.dumps([model_id, made, backend, chat_template], sort_keys=True).encode()
 
 
 def _turns(messages, thinking: bool | None) -> str:
