@@ -306,18 +306,21 @@ def _turns(messages, thinking: bool | None) -> str:
 def _borrow(chats: list[Chat], cache_file: Path, settings: str, into: Path) -> int:
     """Append to ``into`` the answers that finished caches beside ``cache_file`` made with the same settings key
     hold for ``chats`` (matched by what the target is asked, not by source and row). Returns how many."""
-    wanted = {_turns(c.messages, c.thinking): c for c in chats}
+    wanted: dict[str, list[Chat]] = {}
+    for c in chats:
+        wanted.setdefault(_turns(c.messages, c.thinking), []).append(c)
     borrowed = []
     for mark in sorted(cache_file.parent.glob("*.jsonl.settings")):
         lender = mark.with_suffix("")
         if lender == cache_file or not lender.exists() or mark.read_text() != settings or not wanted:
             continue
         for r in _read(lender):
-            c = wanted.pop(_turns(r.messages, r.thinking), None)
-            if c is not None and r.error is None:
-                borrowed.append(Regenerated(c.source, c.row, r.messages, r.unfinished, thinking=c.thinking))
-    with open(into, "a") as f:
-        f.writelines(json.dumps(asdict(r)) + "\n" for r in borrowed)
+            if r.error is None:
+                borrowed += [Regenerated(c.source, c.row, r.messages, r.unfinished, thinking=c.thinking)
+                             for c in wanted.pop(_turns(r.messages, r.thinking), [])]
+    if borrowed:
+        with open(into, "a") as f:
+            f.writelines(json.dumps(asdict(r)) + "\n" for r in borrowed)
     return len(borrowed)
 
 

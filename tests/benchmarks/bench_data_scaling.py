@@ -3,14 +3,15 @@
 
     python tests/benchmarks/bench_data_scaling.py                                  # medusa, eagle3 at 384..4096
     python tests/benchmarks/bench_data_scaling.py drafters=medusa rows=384,1024 out=runs/scaling
-    python tests/benchmarks/bench_data_scaling.py rows=8192 data.generation.engine=vllm   # any other: to every job
+    python tests/benchmarks/bench_data_scaling.py rows=8192 trainer.lr=3e-3        # any other key: to every job
 
 Each point is a whole job in its own process (``accelerate launch train/<drafter>.py``, output
 ``<out>/<drafter>-<rows>``, its log and times beside it), so a killed point resumes as any run does
 (``resume=true``); a point whose run finished its evaluation is read back, not run again, so the curve grows over
 several invocations. A larger point reuses the smaller points'
 answers and self-made prompts from the cache (``data/regenerate.py``'s settings key; ``data/self_made.py``'s
-batches), so it pays only for its new rows. Per point: tau with its 95% interval over prompts on held-out
+batches), so it pays only for its new rows, as long as every point generates with the same settings and engine
+(``data.generation.*`` is part of what makes an answer). Per point: tau with its 95% interval over prompts on held-out
 general, chitchat and HumanEval prompts, greedy and at T=0.7, prompt lookup's greedy tau on the general set, and
 the CPU-hours and wall-clock hours the job took (measured when it ran, read back after). Writes
 ``<out>/scaling.json`` (every point measured so far), ``<out>/scaling.md`` (the table for docs/data.md) and
@@ -59,13 +60,16 @@ def run_point(drafter: str, rows: int, out: Path, overrides: list[str]) -> dict:
              **(json.loads(timing.read_text()) if timing.exists() else {}), "tau": {}}
     for name in SETS:
         for suffix in TEMPERATURES:
-            m = report["eval"].get(name + suffix)
+            m = report.get("eval", {}).get(name + suffix)
             if m is None:
                 continue
+            peers = m.get("peers", {})
             point["tau"][name + suffix] = {"tau": m["acceptance_length"],
                                            "interval": m["intervals"]["acceptance_length"],
-                                           "method": m["method"]}
-            lookup = m["peers"].get("prompt_lookup")
+                                           "method": m["method"],
+                                           "own_methods": {k: p["acceptance_length"] for k, p in peers.items()
+                                                           if "@" not in k and k != "prompt_lookup"}}
+            lookup = peers.get("prompt_lookup")
             if lookup and name == "general" and not suffix:
                 point["prompt_lookup_general"] = lookup["acceptance_length"]
     return point
@@ -74,15 +78,17 @@ def run_point(drafter: str, rows: int, out: Path, overrides: list[str]) -> dict:
 def table(points: list[dict]) -> str:
     """The markdown table of every point: greedy and T=0.7 tau [95%] per set, CPU-hours."""
     head = ["drafter", "rows"] + [f"{s}{' T=0.7' if t else ''}" for s in SETS for t in TEMPERATURES]
-    lines = ["| " + " | ".join(head + ["prompt lookup, general", "CPU-h", "wall h"]) + " |",
-             "|" + " --- |" * (len(head) + 3)]
+    tail = ["its other methods, general T0", "prompt lookup, general", "CPU-h", "wall h"]
+    lines = ["| " + " | ".join(head + tail) + " |", "|" + " --- |" * (len(head) + len(tail))]
     for p in sorted(points, key=lambda p: (p["drafter"], p["rows"])):
         cells = [p["drafter"], str(p["rows"])]
         for s in SETS:
             for t in TEMPERATURES:
                 m = p["tau"].get(s + t)
                 cells.append("-" if m is None else f"{m['tau']:.2f} [{m['interval'][0]:.2f}, {m['interval'][1]:.2f}]")
-        cells += [f"{p.get('prompt_lookup_general', float('nan')):.2f}", f"{p.get('cpu_hours', float('nan')):.2f}",
+        others = p["tau"].get("general", {}).get("own_methods", {})
+        cells += [", ".join(f"{k} {v:.2f}" for k, v in others.items()) or "-",
+                  f"{p.get('prompt_lookup_general', float('nan')):.2f}", f"{p.get('cpu_hours', float('nan')):.2f}",
                   f"{p.get('wall_hours', float('nan')):.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

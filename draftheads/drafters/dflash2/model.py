@@ -299,11 +299,11 @@ class DFlash2Drafter(DFlashDrafter):
         if sampling.greedy or sampling.proposal == Proposal.argmax:
             return propose(self.draft_logits(hidden_state, last_token, features, tokens).cpu(), sampling, generator)
         unary, candidates, scores = self._scores(last_token, features)
-        q, draft, previous = torch.zeros_like(unary).cpu(), [], 0
+        candidates, scores = candidates.cpu(), scores.cpu()
+        q, draft, previous = torch.zeros(unary.shape), [], 0
         for position in range(len(candidates)):
-            row = torch.full_like(unary[position], float("-inf"))
-            row[candidates[position]] = scores[position, previous]
-            q[position] = sampling.probs(row).cpu()
-            draft.append(int(torch.multinomial(q[position], 1, generator=generator)))
-            previous = int((candidates[position] == draft[-1]).nonzero()[0])
-        return torch.tensor(draft), q
+            # the processed scores over the K candidates: the full row's, whose other tokens are -inf
+            q[position, candidates[position]] = sampling.probs(scores[position, previous])
+            previous = int(torch.multinomial(q[position, candidates[position]], 1, generator=generator))
+            draft.append(int(candidates[position, previous]))
+        return torch.tensor(draft, dtype=torch.long), q
