@@ -55,14 +55,16 @@ def test_the_dspark_job_warm_starts_where_its_target_has_a_dflash_job():
 
 
 @pytest.mark.parametrize("job", sorted(JOBS))
-def test_every_jobs_peers_name_methods_and_the_dflash_jobs_keep_their_evaluation_short(job):
+def test_every_jobs_peers_name_methods_and_the_jobs_past_the_main_one_keep_their_evaluation_short(job):
     """The default jobs measure the drafter under test beside a few named peers, each a real method (a typo here
-    would fail every job when it opens); the DFlash and EAGLE-3 jobs leave out Medusa's chain and DFlash's
-    denoising, each a decoding of every prompt."""
-    peers = to_schema(_compose(job=job)).eval.peers
-    check_method_names(peers or ())
+    would fail every job when it opens); the DFlash and EAGLE-3 jobs measure no sibling run and the DFlash 2 job
+    only the DFlash run it starts from, at one temperature: each method is a decoding of every prompt."""
+    conf = to_schema(_compose(job=job))
+    check_method_names(conf.eval.peers or ())
     if job in ("dflash", "eagle3"):
-        assert "medusa_tree" in peers and not {"medusa_chain", "dflash_denoise4"} & set(peers)
+        assert conf.eval.peers == ["prompt_lookup"] and not conf.eval.peer_runs
+    if job == "dflash2":
+        assert conf.eval.peer_runs == ["runs/dflash"] and conf.eval.temperatures == [0.0]
 
 
 def test_default_is_the_real_smollm2_job():
