@@ -25,6 +25,8 @@ import os
 from datetime import datetime, timezone
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 CONFIG = "config.yaml"
 """The run's composed config (Hydra's, resolved), written when it opens."""
 
@@ -49,6 +51,21 @@ PLOT = "acceptance.png"
 
 STEPS = ("training", "validation", "save", "export", "evaluation")
 """Every step a run can finish, in order (a run finishes those its config asks for)."""
+
+
+def is_run(folder: Path) -> bool:
+    """Whether ``folder`` holds a run (its :data:`CONFIG`) rather than, say, an export folder."""
+    return (Path(folder) / CONFIG).is_file()
+
+
+def recorded(folder: Path, key: str) -> str | None:
+    """The value of dotted ``key`` in the run's :data:`CONFIG` in ``folder`` (``drafter``: which drafter the run
+    trained; ``trainer.optimizer``: what a resumed run keeps), None without one (no run, or a run of a version
+    without the key)."""
+    if not is_run(folder):
+        return None
+    value = OmegaConf.select(OmegaConf.load(Path(folder) / CONFIG), key, default=None)
+    return None if value is None else str(value)
 
 
 def start_ledger(out: Path, drafter: str) -> Path:

@@ -14,11 +14,10 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
 from draftheads.drafters.contract import Recipe
 from draftheads.evaluation.methods import PROMPT_LOOKUP
-from draftheads.run_folder import CONFIG
+from draftheads.run_folder import CONFIG, is_run, recorded
 from draftheads.training.config import RegenerateConfig
 
 DRAFTERS = {
@@ -43,12 +42,11 @@ def of_run(run_dir: str | Path) -> Recipe:
     """The recipe of a run directory, read from the ``drafter`` its ``config.yaml`` records. Raises
     ``FileNotFoundError`` for a folder without one (no run), ``ValueError`` for a config naming no drafter or
     an unregistered one."""
-    path = Path(run_dir) / CONFIG
-    if not path.exists():
+    if not is_run(run_dir):
         raise FileNotFoundError(f"{run_dir} is not a run directory (no {CONFIG})")
-    name = OmegaConf.load(path).get("drafter")
+    name = recorded(run_dir, "drafter")
     if name is None:
-        raise ValueError(f"{path} names no drafter (a run made before runs recorded theirs): add "
+        raise ValueError(f"{Path(run_dir) / CONFIG} names no drafter (a run made before runs recorded theirs): add "
                          f"'drafter: <name>' with one of {sorted(DRAFTERS)}")
     return get(name)
 

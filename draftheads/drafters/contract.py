@@ -18,7 +18,7 @@ from torch import nn
 
 from draftheads.models.speculative import ChainDrafter, Sampling
 from draftheads.models.target import TargetSpec
-from draftheads.run_folder import CONFIG
+from draftheads.run_folder import is_run
 from draftheads.serving.llamacpp import LLAMACPP_LAYER_INPUTS
 from draftheads.serving.matrix import Served, served_target, serving_record, write_serving
 from draftheads.serving.preflight import Expect
@@ -316,7 +316,7 @@ class FeatureRecipe(Recipe):
     def read_saved(self, folder: Path, target) -> nn.Module:
         """:meth:`read_export` of ``folder``, or of its ``export/<name>`` when it is a run (its saved model)."""
         folder = Path(folder)
-        return self.read_export(folder / self.vllm_weights if (folder / CONFIG).is_file() else folder, target)
+        return self.read_export(folder / self.vllm_weights if is_run(folder) else folder, target)
 
     def init_fields(self, conf, target, model: nn.Module) -> dict[str, tuple]:
         """The target layers read: ``<name>.target_layer_ids`` (or their default)."""

@@ -31,11 +31,20 @@ from draftheads.models.decoding import GenerationDefaults, generation_defaults
 from draftheads.models.partial import place
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import context_window, load_target, model_identity, resolve_target_path
-from draftheads.run_folder import CONFIG, PLOT, TARGET, finished_steps, read_report, record_finished, start_ledger
+from draftheads.run_folder import (
+    CONFIG,
+    PLOT,
+    TARGET,
+    finished_steps,
+    read_report,
+    record_finished,
+    recorded,
+    start_ledger,
+)
 from draftheads.runs.job import Job
 from draftheads.runs.output_dir import check_writable, claim_job_dir, lock_output_dir, release, target_record
 from draftheads.runs.preflight import llamacpp_preflight, serving_preflight
-from draftheads.runs.resume import check_resume, recorded_setting
+from draftheads.runs.resume import check_resume
 from draftheads.runs.rows import job_rows
 from draftheads.runs.saved import PeerRun, check_peer_runs, load_peer_runs, peer_methods
 from draftheads.training.checkpoint import check_plan, latest_checkpoint
@@ -123,7 +132,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
     accelerator = make_accelerator(cfg)
     print0(accelerator, precision)
-    optimizer = settle_optimizer(cfg, conf, sharded(accelerator), recorded_setting(out, "trainer.optimizer")
+    optimizer = settle_optimizer(cfg, conf, sharded(accelerator), recorded(out, "trainer.optimizer")
                                  if conf.resume else None)
     if optimizer:
         print0(accelerator, optimizer)

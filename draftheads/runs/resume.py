@@ -58,13 +58,3 @@ def check_resume(out: Path, cfg: DictConfig) -> None:
         raise ValueError(f"resume=true continues the run in {out} with the settings it was started with ({record}), "
                          f"and these differ: {said}. Drop those overrides to resume it, or start a new run with them "
                          f"(overwrite=true, or another output_dir)")
-
-
-def recorded_setting(out: Path, key: str) -> str | None:
-    """The value of dotted ``key`` in the run's ``config.yaml`` in ``out``, None without one (no run, or a run of a
-    version without the key)."""
-    record = Path(out) / CONFIG
-    if not record.is_file():
-        return None
-    value = OmegaConf.select(OmegaConf.load(record), key, default=None)
-    return None if value is None else str(value)

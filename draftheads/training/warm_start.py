@@ -31,10 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
-from draftheads.run_folder import CONFIG, check_saved
+from draftheads.run_folder import CONFIG, check_saved, is_run, recorded
 from draftheads.training.checkpoint import complete_checkpoints
 
 
@@ -111,8 +110,8 @@ def _read_source(recipe, conf, target) -> Source:
     candidates = {r.name: r for r in (recipe, *recipe.bases)}
     if not path.exists():
         raise FileNotFoundError(_missing(recipe, key, path))
-    if (path / CONFIG).is_file():
-        name = OmegaConf.load(path / CONFIG).get("drafter")
+    if is_run(path):
+        name = recorded(path, "drafter")
         if name not in candidates:
             raise ValueError(f"{key}={path}: a run of drafter {name!r}; {recipe.name} starts from runs or exports of "
                              f"{sorted(candidates)}")

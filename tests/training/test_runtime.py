@@ -63,11 +63,12 @@ def test_an_auto_optimizer_is_muon_only_where_cheap_and_allowed_and_recorded(bf1
 def test_a_resume_with_auto_takes_the_runs_optimizer_and_refuses_another(tmp_path):
     from omegaconf import OmegaConf
 
-    from draftheads.runs.resume import check_resume, recorded_setting
+    from draftheads.run_folder import recorded
+    from draftheads.runs.resume import check_resume
     from tests.helpers import smoke
     OmegaConf.save(smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=muon"), tmp_path / "config.yaml")
     check_resume(tmp_path, smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=auto", "resume=true"))
-    assert recorded_setting(tmp_path, "trainer.optimizer") == "muon"
+    assert recorded(tmp_path, "trainer.optimizer") == "muon"
     with pytest.raises(ValueError, match="trainer.optimizer: the run has 'muon', this command 'adamw'"):
         check_resume(tmp_path, smoke("eagle3", str(tmp_path), "cache", "trainer.optimizer=adamw", "resume=true"))
 

@@ -28,7 +28,7 @@ from draftheads.models.partial import hold_layers, is_partial, save_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
 from draftheads.models.tree import Tree, TypicalAcceptance, default_choices, tree_decode
-from draftheads.run_folder import CONFIG
+from draftheads.run_folder import is_run
 from draftheads.training.config import TargetStates
 from draftheads.training.spine import fit
 
@@ -179,7 +179,7 @@ class Medusa(Recipe):
         (:func:`~draftheads.drafters.medusa.export.load_any_heads`: ``medusa_heads``, vLLM's, TGI's), checked
         against ``target``'s hidden and vocabulary sizes (``ValueError`` naming both)."""
         folder = Path(folder)
-        heads = (load_heads(folder / "medusa_heads")[0] if (folder / CONFIG).is_file()
+        heads = (load_heads(folder / "medusa_heads")[0] if is_run(folder)
                  else load_any_heads(folder, target.config.vocab_size))
         heads.check_target(target.config.hidden_size, target.config.vocab_size, where="this run's target")
         return heads
