@@ -4,7 +4,8 @@ A drafter's loss is dominated by its LM head: ``N`` positions x ``V`` tokens of 
 for the backward pass (16k positions x 128k vocabulary x 4 bytes = 8 GB per head). Here the logits of
 ``chunk`` positions at a time are made and reduced, in the forward pass, to their loss, top-k and gradients
 (``softmax - onehot``, times the per-position weight, through the two products), then dropped: the loss is a
-weighted sum whose weights are known up front, so the backward pass only scales the stored gradients. Peak
+weighted sum whose weights are known up front, so the backward pass only scales the stored gradients (or, for
+weights made from the pass's own values, D-PACE's, scales each position's gradient once they are known). Peak
 memory grows with the chunk, not with ``N``, and the products are the three autograd would run. The same idea as
 liger-kernel's fused linear cross-entropy (in plain PyTorch, so it runs on any device) and Apple's
 cut-cross-entropy (Wijmans et al., arXiv 2411.09009).
@@ -41,7 +42,7 @@ on CPUs, ``tests/benchmarks/bench_lm_head_loss.py``)."""
 class _LinearLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, side_hidden, side_weight, labels, scale, chunk, k, needs, teacher, mix,
-                temperature):
+                temperature, per_position):
         n = hidden.shape[0]
         losses, ce = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
         alpha = torch.empty(n if teacher is not None else 0, dtype=torch.float32, device=hidden.device)
@@ -72,13 +73,16 @@ class _LinearLoss(torch.autograd.Function):
                 grads[2].addmv_(g.t(), w[:, 0])
         ctx.save_for_backward(*grads)
         ctx.dtypes = [None if t is None else t.dtype for t in (hidden, weight, bias, side_hidden, side_weight)]
-        ctx.mark_non_differentiable(losses, ce, top, alpha)
+        ctx.mark_non_differentiable(*([] if per_position else [losses]), ce, top, alpha)
         return (losses * scale).sum(), losses, ce, top, alpha
 
     @staticmethod
-    def backward(ctx, grad_loss, *_):
-        return (*[None if g is None else (g * grad_loss).to(dtype) for g, dtype in zip(ctx.saved_tensors, ctx.dtypes)],
-                *[None] * 8)
+    def backward(ctx, grad_loss, grad_losses, *_):
+        # the sum's gradient scales every stored one; each position's own (per_position: the stored gradients of
+        # the inputs read per position are unweighted, and the weights arrive here) scales its row
+        rows = grad_loss + grad_losses[:, None]
+        return (*[None if g is None else (g * (rows if i in (0, 3) else grad_loss)).to(dtype)
+                  for i, (g, dtype) in enumerate(zip(ctx.saved_tensors, ctx.dtypes))], *[None] * 9)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -105,7 +109,7 @@ class LinearLoss(NamedTuple):
 def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None, k: int = 5, teacher: tuple | None = None,
                 mix: dict[str, float] | None = None, temperature: float = 1.0,
-                chunk_bytes: int = CHUNK_BYTES, side: tuple | None = None) -> LinearLoss:
+                chunk_bytes: int = CHUNK_BYTES, side: tuple | None = None, per_position: bool = False) -> LinearLoss:
     """The weighted objective of the logits ``hidden @ weight.T (+ bias) (+ side_hidden @ side_weight.T)`` at
     ``N`` positions, per-position values and top-k tokens, without materialising the logits.
 
@@ -127,10 +131,15 @@ def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
         chunk_bytes: float32 ``[chunk, V]`` tensors held at once, all of them: the chunk is this over
             ``4 V`` times the objective's count (:func:`~draftheads.training.objectives.logit_buffers`: 1 for
             ``ce``, 3 to 6 for a distillation objective).
+        per_position: the returned ``losses`` are differentiable, so weights made from this pass's own values
+            (D-PACE's, from ``ce``) apply after it, ``(out.losses * w).sum()``, in one pass through the head. Only
+            for gradients read per position (``hidden``, ``side_hidden``); ``weights`` must be None.
     Returns :class:`LinearLoss`. Gradients are made chunk by chunk in the forward pass, in closed form
     (:func:`~draftheads.training.objectives.losses_and_grads`), so neither model's ``[N, V]`` logits ever exist
     at once.
-    Raises ``ValueError`` for a label outside the vocabulary, or a distillation objective without a teacher.
+    Raises ``ValueError`` for a label outside the vocabulary, a distillation objective without a teacher, or
+    ``per_position`` with ``weights`` or with a trainable ``weight``, ``bias`` or ``side_weight`` (their
+    gradients sum over positions inside the pass).
     """
     V = weight.shape[0]
     if labels.numel() and not 0 <= int(labels.min()) <= int(labels.max()) < V:
@@ -145,9 +154,12 @@ def linear_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     side_hidden, side_weight = side if side is not None else (None, None)
     grad = torch.is_grad_enabled()
     needs = tuple(grad and t is not None and t.requires_grad for t in (hidden, weight, bias, side_hidden, side_weight))
+    if per_position and (weights is not None or needs[1] or needs[2] or needs[4]):
+        raise ValueError("per_position: the weights apply after the pass, so neither weights nor a trainable weight, "
+                         "bias or side_weight (whose gradients sum over positions in it) can be given")
     chunk = max(1, chunk_bytes // (4 * V * logit_buffers(mix, temperature, teacher is not None)))
     out = _LinearLoss.apply(hidden, weight, bias, side_hidden, side_weight, labels, scale, chunk, min(k, V), needs,
-                            teacher, mix, temperature)
+                            teacher, mix, temperature, per_position)
     return LinearLoss(*out[:4], out[4] if teacher is not None else None)
 
 
@@ -186,14 +198,25 @@ def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, va
             same positions, for a distillation objective (None for ``ce``).
         k: top-k tokens returned.
         side: ``(side_hidden [N, r], side_weight [V, r])`` added to the logits (:func:`linear_loss`), or None.
-    D-PACE's weights need each position's cross-entropy first: a no-grad pass through the head makes it (one
-    more ``[N, V]`` product, chunked).
+    D-PACE's weights need each position's cross-entropy, which the pass itself makes: through a frozen head (DFlash's,
+    the target's) they apply after it (``per_position``: one ``[N, V]`` product each way, as ``decay``); a head or
+    side map that trains sums its gradient over positions inside the pass, so a no-grad pass makes the
+    cross-entropy first (one more product, chunked).
     """
-    ce = None
-    if settings.position_weights == PositionWeights.dpace:
+    mix, temperature = loss_mix(settings.loss, "loss"), settings.loss_temperature
+    dpace, ce = settings.position_weights == PositionWeights.dpace, None
+    trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
+                                             (head.weight, head.bias, None if side is None else side[1]))
+    if dpace and not trains:
+        out = head_loss(head, hidden, labels, k=k, teacher=teacher, side=side, mix=mix, temperature=temperature,
+                        per_position=True)
+        ce = torch.zeros(valid.shape, device=hidden.device)
+        ce[valid] = out.ce
+        return out._replace(loss=(out.losses * normalise(chain_weights(settings, valid, ce))[valid]).sum())
+    if dpace:
         with torch.no_grad():
             ce = torch.zeros(valid.shape, device=hidden.device)
             ce[valid] = head_loss(head, hidden, labels, k=1, side=side).ce
     weights = normalise(chain_weights(settings, valid, ce))[valid]
-    return head_loss(head, hidden, labels, weights=weights, k=k, teacher=teacher, side=side,
-                     mix=loss_mix(settings.loss, "loss"), temperature=settings.loss_temperature)
+    return head_loss(head, hidden, labels, weights=weights, k=k, teacher=teacher, side=side, mix=mix,
+                     temperature=temperature)

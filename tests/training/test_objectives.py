@@ -281,6 +281,47 @@ def test_dpace_under_two_process_ddp_steps_as_one_process(tmp_path):
     assert abs(float(shares[0] - shares[1])) > 0.1  # a per-rank normaliser would have weighted them apart
 
 
+@pytest.mark.parametrize("loss", ["ce", "mix"])
+def test_dpace_through_a_frozen_head_is_one_pass_with_the_gradients_of_its_definition(loss, monkeypatch):
+    """Through a frozen head (DFlash's: the target's) with a side map that does not train, D-PACE's weights come
+    from the pass itself: one pass through the head, and the loss and the gradients in the hidden states and the
+    side's inputs are those of autograd on the full logits with the weights made from their cross-entropy. A head
+    that trains still takes a no-grad pass first; per-position losses refuse a head that trains."""
+    g = torch.Generator().manual_seed(11)
+    valid = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]).bool()
+    n = int(valid.sum())
+    hidden = torch.randn(n, D, generator=g).requires_grad_()
+    side_hidden = torch.randn(n, 3, generator=g).requires_grad_()
+    labels = torch.randint(0, V, (n,), generator=g)
+    head = torch.nn.Linear(D, V).requires_grad_(False)
+    side_weight = torch.randn(V, 3, generator=g)
+    mix = {"ce": 1.0} if loss == "ce" else MIXES["mix"]
+    teacher = None if loss == "ce" else (torch.randn(n, D, generator=g), torch.randn(V, D, generator=g) * 0.4, None)
+    settings = Objective(loss=mix, position_weights=PositionWeights.dpace)
+    passes = []
+    monkeypatch.setattr("draftheads.training.lm_head_loss.linear_loss",
+                        lambda *a, _f=linear_loss, **kw: passes.append(kw.get("per_position", False)) or _f(*a, **kw))
+    out = drafted_loss(head, hidden, labels, valid, settings, teacher=teacher, side=(side_hidden, side_weight))
+    out.loss.backward()
+    assert passes == [True]
+
+    logits = F.linear(hidden, head.weight, head.bias) + side_hidden @ side_weight.t()
+    target = None if teacher is None else F.linear(teacher[0], teacher[1])
+    ce = torch.zeros(valid.shape)
+    ce[valid] = F.cross_entropy(logits.detach(), labels, reduction="none")
+    weights = normalise(chain_weights(settings, valid, ce))[valid]
+    expected = (position_losses(logits, labels, target, mix, 1.0)[0] * weights).sum()
+    torch.testing.assert_close(out.loss, expected, atol=1e-6, rtol=1e-5)
+    for ours, theirs in zip((hidden.grad, side_hidden.grad), torch.autograd.grad(expected, (hidden, side_hidden))):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+    passes.clear()
+    drafted_loss(head.requires_grad_(True), hidden, labels, valid, settings, teacher=teacher).loss.backward()
+    assert passes == [False, False]  # the no-grad pass for the cross-entropy, then the weighted one
+    with pytest.raises(ValueError, match="per_position"):
+        linear_loss(hidden, head.weight, labels, head.bias, per_position=True)
+
+
 def test_normalise_is_a_weighted_mean_or_each_positions_mean():
     w = torch.tensor([[0.5, 0.25], [0.5, 0.0]])
     assert normalise(w).sum().item() == pytest.approx(1.0)
