@@ -96,7 +96,8 @@ class LinearLoss(NamedTuple):
     loss: torch.Tensor
     """float32 scalar ``sum(weights * losses)``, differentiable."""
     losses: torch.Tensor
-    """``[N]`` float32, the objective at each position (the cross-entropy for ``ce``); not differentiable."""
+    """``[N]`` float32, the objective at each position (the cross-entropy for ``ce``); differentiable only under
+    ``per_position``."""
     ce: torch.Tensor
     """``[N]`` float32 cross-entropy on the labels (``logsumexp(logits) - logits[label]``, as
     ``F.cross_entropy(reduction="none")`` on float32 logits), whatever the objective; not differentiable."""
@@ -205,8 +206,8 @@ def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, va
     """
     mix, temperature = loss_mix(settings.loss, "loss"), settings.loss_temperature
     dpace, ce = settings.position_weights == PositionWeights.dpace, None
-    trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in
-                                             (head.weight, head.bias, None if side is None else side[1]))
+    params = (head.weight, getattr(head, "bias", None), None if side is None else side[1])
+    trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
     if dpace and not trains:
         out = head_loss(head, hidden, labels, k=k, teacher=teacher, side=side, mix=mix, temperature=temperature,
                         per_position=True)

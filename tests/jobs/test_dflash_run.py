@@ -36,7 +36,7 @@ def dflash_run(tmp_path_factory, cache_dir, medusa_run):
     out = tmp_path_factory.mktemp("dflash")
     report = run_dflash(cfg("dflash", out, cache_dir, "train.epochs=6", "trainer.keep_last=100",
                             f"eval.peer_runs=[{medusa_run}]", "dflash.block_size=8",
-                            "eval.peers=null"))  # every method (the job keeps Medusa's tree and prompt lookup)
+                            "eval.peers=null"))  # every method (the job keeps prompt lookup only)
     return out, report
 
 
@@ -72,7 +72,7 @@ def test_resumed_dflash_run_ends_with_the_same_drafter(dflash_run, tmp_path, cac
     cut = cut_back(out, "dflash-step000005", tmp_path / "cut")
     report = run_dflash(cfg("dflash", cut, cache_dir, "train.epochs=6", "resume=true", "eval.enabled=false",
                             f"eval.peer_runs=[{medusa_run}]", "dflash.block_size=8",
-                            "eval.peers=null"))  # every method (the job keeps Medusa's tree and prompt lookup)
+                            "eval.peers=null"))  # every method (the job keeps prompt lookup only)
     assert report["resumed_from"] == str(cut / "checkpoints" / "dflash-step000005")
     whole = dflash_run[1]["train_curves"]["dflash"]
     assert [x["step"] for x in report["train_curves"]["dflash"]] == [x["step"] for x in whole]  # the whole curve
