@@ -205,18 +205,17 @@ def drafted_loss(head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, va
     cross-entropy first (one more product, chunked).
     """
     mix, temperature = loss_mix(settings.loss, "loss"), settings.loss_temperature
-    dpace, ce = settings.position_weights == PositionWeights.dpace, None
+    dpace = settings.position_weights == PositionWeights.dpace
+    ce = torch.zeros(valid.shape, device=hidden.device) if dpace else None  # D-PACE's input, [..., G]
     params = (head.weight, getattr(head, "bias", None), None if side is None else side[1])
     trains = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in params)
     if dpace and not trains:
         out = head_loss(head, hidden, labels, k=k, teacher=teacher, side=side, mix=mix, temperature=temperature,
                         per_position=True)
-        ce = torch.zeros(valid.shape, device=hidden.device)
         ce[valid] = out.ce
         return out._replace(loss=(out.losses * normalise(chain_weights(settings, valid, ce))[valid]).sum())
     if dpace:
         with torch.no_grad():
-            ce = torch.zeros(valid.shape, device=hidden.device)
             ce[valid] = head_loss(head, hidden, labels, k=1, side=side).ce
     weights = normalise(chain_weights(settings, valid, ce))[valid]
     return head_loss(head, hidden, labels, weights=weights, k=k, teacher=teacher, side=side, mix=mix,
