@@ -3,13 +3,16 @@ crafted rows, the same seed giving the same rows (and a larger request the small
 chat template refused before any generation, and a job training on them."""
 
 import json
+import math
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from draftheads.data import self_made as sm
+from draftheads.data.templates import stop_token_ids
 from draftheads.data.pipeline import near_eval, self_distilled_rows
 from draftheads.data.conversations import Chat
 from draftheads.models.target import TargetSpec, load_target
@@ -17,7 +20,24 @@ from draftheads.models.tiny import FAMILIES
 from draftheads.training.config import DataConfig
 
 SETTINGS = sm.SelfMade(batch_size=16, max_prompt_tokens=64, min_words=1)
-"""A random tiny target ends about one sampled message in six within 64 tokens: a few batches give a few prompts."""
+
+
+@contextmanager
+def quick_to_end(model, tokenizer):
+    """The target's stop tokens made likely (about one draw in seven each, through a hook on its LM head): a random
+    tiny target otherwise ends about one sampled message in six within 64 tokens, and its tests sampled dozens of
+    batches for a few prompts. The sampling, caching and filtering under test are the same."""
+    stop = sorted(stop_token_ids(tokenizer, model.generation_config))
+
+    def boost(module, args, logits):
+        logits[..., stop] += math.log(logits.shape[-1] / 7)
+        return logits
+
+    hook = model.get_output_embeddings().register_forward_hook(boost)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def candidate(text: str, finished: bool = True) -> dict:
@@ -61,13 +81,16 @@ def test_the_pre_query_template_ends_where_the_users_message_begins_in_every_fam
 def test_the_same_seed_gives_the_same_prompts_and_a_larger_request_extends_them(family, tmp_path):
     name, model, tokenizer = family
     ident = {"family": name}
-    first = sm.self_made_prompts(SETTINGS, 3, model, tokenizer, ident, tmp_path / "a", show_progress=False)
-    again = sm.self_made_prompts(SETTINGS, 3, model, tokenizer, ident, tmp_path / "b", show_progress=False)
+    with quick_to_end(model, tokenizer):
+        first = sm.self_made_prompts(SETTINGS, 3, model, tokenizer, ident, tmp_path / "a", show_progress=False)
+        again = sm.self_made_prompts(SETTINGS, 3, model, tokenizer, ident, tmp_path / "b", show_progress=False)
+        more = sm.self_made_prompts(SETTINGS, 20, model, tokenizer, ident, tmp_path / "a", show_progress=False)
+        other = sm.self_made_prompts(sm.SelfMade(batch_size=16, max_prompt_tokens=64, min_words=1, seed=1), 3, model,
+                                     tokenizer, ident, tmp_path / "a", show_progress=False)
     assert first and first == again  # from the seed alone, in a fresh cache
-    more = sm.self_made_prompts(SETTINGS, 6, model, tokenizer, ident, tmp_path / "a", show_progress=False)
-    assert more[:len(first)] == first
-    other = sm.self_made_prompts(sm.SelfMade(batch_size=16, max_prompt_tokens=64, min_words=1, seed=1), 3, model,
-                                 tokenizer, ident, tmp_path / "a", show_progress=False)
+    assert len(more) == 20 and more[:len(first)] == first
+    batches = sm.cache_file(SETTINGS, ident, tokenizer.chat_template, tmp_path / "a").read_text().splitlines()
+    assert len(batches) > 1  # the larger request sampled batches after the cached ones
     assert [p["prompt"] for p in other] != [p["prompt"] for p in first]
 
 
@@ -92,7 +115,8 @@ def test_a_self_made_source_becomes_a_file_every_reader_reads_and_its_report(tin
         "source": "self_made", "num_train_prompts": 6, "num_val_prompts": 2, "max_length": 64,
         "self_made": {"batch_size": 16, "max_prompt_tokens": 64, "min_words": 1, "max_batches": 40},
         "generation": {"max_new_tokens": 8}}))
-    train, val, report = self_distilled_rows(cfg, model, tokenizer, {"tiny": "llama"}, tmp_path, False)
+    with quick_to_end(model, tokenizer):
+        train, val, report = self_distilled_rows(cfg, model, tokenizer, {"tiny": "llama"}, tmp_path, False)
     (path, made), = report.self_made.items()
     assert made["used"] == 8 and made["kept"] >= 8 and 0 < made["distinct_bigrams"] <= 1
     assert made["made"] == made["kept"] + sum(made["dropped"].values())
