@@ -1,11 +1,31 @@
 """Shared fixtures: a tiny random Llama target built once per session in a temporary cache, and a fresh
-accelerate state for every test."""
+accelerate state for every test; under pytest-xdist (README's ``-n 2``) each worker on a core of its own."""
+
+import os
 
 import pytest
 import torch
 from accelerate.state import AcceleratorState
 
 from draftheads.models.target import TINY, TargetSpec, load_target
+
+
+def pytest_configure(config):
+    """A pytest-xdist worker (``PYTEST_XDIST_WORKER`` gw0, gw1, ...) runs on one core of the session's affinity,
+    its index modulo their number, and so does everything it starts: torch on one thread, the jobs it launches (2
+    ranks share the core, one thread each: ``draftheads.training.runtime``), vLLM's engine bound there
+    (``VLLM_CPU_OMP_THREADS_BIND``; it would otherwise bind every core) and llama-server on the cores of its
+    affinity. Two workers on two cores then never oversubscribe them, where two unpinned ones would run their
+    threads on both (spinning OpenMP and ggml threads, many times slower). Each worker has its own temporary cache
+    (``cache_dir``), and ``--dist loadfile`` keeps a module's fixtures on one worker."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(worker.removeprefix("gw")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    os.environ |= {"OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": str(core)}
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -11,11 +11,13 @@ import sys
 from functools import partial
 from pathlib import Path
 
+import pytest
 import torch
 from draftheads.data.batching import collate, pack
 from draftheads.data.hidden_states import attach_hidden_states
 from draftheads.models.speculative import Sampling
 from hydra import compose, initialize_config_dir
+from safetensors.torch import load_file
 
 from draftheads.drafters import register_configs
 from draftheads.runs.life import train
@@ -86,6 +88,40 @@ ENGINES = {
 through tests/cpu_sharding (see its sitecustomize), which lifts that one gate."""
 
 
+def needs_deepspeed():
+    """The mark of the sharding tests' DeepSpeed cases: skipped, naming the error, where DeepSpeed does not import
+    (the FSDP2 cases run without it; pip install -e '.[test]' brings it). Imported only by the modules that ask."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError as e:
+        return pytest.mark.skipif(True, reason=f"DeepSpeed does not import: {e}")
+    return pytest.mark.skipif(False, reason="DeepSpeed imports")
+
+
+def weights(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``folder``, by name."""
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out |= load_file(str(f))
+    return out
+
+
+def assert_same_weights(a: dict, b: dict, atol: float = 1e-5, loose: dict[str, float] | None = None) -> None:
+    """Every tensor within ``atol``, but those whose name holds a key of ``loose``, within its value (each
+    tolerance that is wider than ``atol`` says why where it is given)."""
+    assert a.keys() == b.keys() and a
+    tolerance = {k: next((t for part, t in (loose or {}).items() if part in k), atol) for k in a}
+    off = {k: (a[k].float() - b[k].float()).abs().max().item() for k in a}
+    bad = {k: (d, tolerance[k]) for k, d in off.items() if not d < tolerance[k]}
+    assert not bad, bad
+
+
+def assert_same_curve(a: list[dict], b: list[dict], key: str) -> None:
+    """Two logged curves at the same steps with ``key`` equal to a relative 1e-5."""
+    assert [x["step"] for x in a] == [x["step"] for x in b]
+    assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5)
+
+
 def launch_env(cache_dir, engine: str = "ddp") -> dict:
     """The environment of a job launched on CPU under ``engine``: the test cache, one thread per process, and for
     FSDP or DeepSpeed the tests/cpu_sharding gate."""
@@ -98,9 +134,11 @@ def launch_env(cache_dir, engine: str = "ddp") -> dict:
 
 def launch_cmd(job: str, launch_args: list[str], *args: str) -> list[str]:
     """``accelerate launch <launch_args> train/<job>.py <args>`` as the tests run it on CPU: one machine, no mixed
-    precision, no dynamo (``launch_args``: the engine and ``--num_processes``)."""
+    precision, no dynamo, a free port for the ranks to meet on (two workers' launches at once would both take
+    29500) (``launch_args``: the engine and ``--num_processes``)."""
     return [sys.executable, "-m", "accelerate.commands.launch", *launch_args, "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "train" / f"{job}.py"), *args]
+            "--main_process_port", "0", "--mixed_precision", "no", "--dynamo_backend", "no",
+            str(ROOT / "train" / f"{job}.py"), *args]
 
 
 def launch(job: str, output_dir: Path, cache_dir, *overrides: str, engine: str = "ddp") -> dict:

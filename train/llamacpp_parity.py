@@ -14,7 +14,8 @@ its GGUF: by default the run's target converted at float32, the very weights our
 - on the prompts where they agree: identical outputs with the drafter, and tau = 1 + accepted / verification
   steps, ours counted as llama-server counts (a draft never longer than the tokens left minus one);
 - tau over every prompt, and llama-server's decode tokens per second without and with the drafter (the same
-  prompts and threads), whose ratio is the served speedup.
+  prompts and threads: ``threads=``, by default the cores this process may run on), whose ratio is the served
+  speedup.
 Parity holds when some prompts agree, all of them decode identically, and tau differs by at most 0.02. Exits 1
 when it does not. llama.cpp is built on first use (``llamacpp=DIR``, default ``$DRAFTHEADS_CACHE/llamacpp``).
 """

@@ -27,6 +27,7 @@ from draftheads.serving.llamacpp import (
     decode_speed,
     float_target,
     llamacpp_counts,
+    usable_cores,
     weights_type,
 )
 from draftheads.serving.llamacpp_env import BUILD, LlamaCpp, ensure_llamacpp
@@ -98,19 +99,20 @@ def parity_row(name: str, ours_plain: list[list[int]], ours: list[dict], plain: 
 
 
 def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str | None = None,
-                    target_gguf: str | None = None, draft_gguf: str | None = None, threads: int = 2,
+                    target_gguf: str | None = None, draft_gguf: str | None = None, threads: int | None = None,
                     force: bool = False, repack: bool = True) -> list[dict]:
     """Decode the run's eval prompts greedily with our evaluator (plain, and the chain of its export read back by
     the strict loader) and with ``llama-server`` on ``target_gguf`` (default: the run's target at float32,
     :func:`~draftheads.serving.llamacpp.float_target`, the weights our evaluator runs) without and with the
     drafter's GGUF (default: :func:`llamacpp_export`'s; ``draft_gguf`` serves another); ``repack=False``: the
-    server without ggml's repacked quantized kernels. Prints the table, writes
+    server without ggml's repacked quantized kernels; ``threads``: llama-server's (default: the cores this process may
+    run on, :func:`~draftheads.serving.llamacpp.usable_cores`). Prints the table, writes
     ``<run>/llamacpp_parity.json``; raises ``SystemExit(1)`` without parity on every set. llama.cpp is made on
     first use (:func:`~draftheads.serving.llamacpp_env.ensure_llamacpp`, ``llamacpp_dir``)."""
     recipe = drafters.of_run(Path(run_dir))
     if recipe.llamacpp_spec is None:  # before anything is built or loaded
         raise ValueError(f"{run_dir}: llama.cpp {BUILD} serves no {recipe.name} drafter (docs/serving.md)")
-    llamacpp = ensure_llamacpp(llamacpp_dir)
+    llamacpp, threads = ensure_llamacpp(llamacpp_dir), threads or usable_cores()
     run = open_run(run_dir, overrides, recipe.vllm_weights)  # the export, read back as the GGUF is made from it
     unread = llamacpp_unread(run)
     draft = Path(draft_gguf) if draft_gguf else llamacpp_export(run, llamacpp, force)
@@ -166,6 +168,6 @@ def cli(argv: list[str], usage: str = __doc__) -> list[dict]:
     run_dir, options, overrides = parse_args(
         argv, ("llamacpp", "target_gguf", "draft_gguf", "threads", "force", "repack"), usage)
     return llamacpp_parity(run_dir, overrides, options.get("llamacpp"), options.get("target_gguf"),
-                           options.get("draft_gguf"), int(options.get("threads", 2)),
+                           options.get("draft_gguf"), int(options["threads"]) if "threads" in options else None,
                            options.get("force", "false").lower() == "true",
                            options.get("repack", "true").lower() == "true")

@@ -107,16 +107,18 @@ def llamacpp_counts(accepted_per_step: list[int], n_tokens: int, max_new_tokens:
 
 class LlamaServer:
     """``llama-server`` on ``model`` (a GGUF), with ``draft`` under ``spec_type`` (``draft-eagle3``,
-    ``draft-dflash``, ``draft-dspark``) drafting ``n_max`` tokens, on ``threads`` CPU threads; a context manager
-    that stops it. ``repack=False`` passes ``--no-repack``: ggml's repacked kernels for quantized weights die on
+    ``draft-dflash``, ``draft-dspark``) drafting ``n_max`` tokens, on ``threads`` CPU threads (default: the cores
+    this process may run on, :func:`usable_cores`; ggml's threads spin, so more than those slow it); a context
+    manager that stops it. ``repack=False`` passes ``--no-repack``: ggml's repacked kernels for quantized weights die on
     some CPUs (SIGILL at the warm-up on this project's AMX Xeons; docs/serving.md). Raises ``RuntimeError`` with
     the server's last log lines when it exits before it is ready (a GGUF it refuses), or is not ready within
     ``timeout`` seconds."""
 
     def __init__(self, llamacpp: LlamaCpp, model: Path, draft: Path | None = None, spec_type: str | None = None,
-                 n_max: int | None = None, threads: int = 2, ctx_size: int = 4096, repack: bool = True,
+                 n_max: int | None = None, threads: int | None = None, ctx_size: int = 4096, repack: bool = True,
                  timeout: float = 180):
         self.port = _free_port()
+        threads = threads or usable_cores()
         handle, log = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
         os.close(handle)
         self.log = Path(log)
@@ -211,6 +213,12 @@ def decode_speed(completions: list[dict]) -> float:
     """Decode tokens per second over :meth:`LlamaServer.complete`'s ``completions`` (llama-server's own timings,
     the prompt's processing left out)."""
     return sum(c["predicted_n"] for c in completions) / sum(c["predicted_ms"] for c in completions) * 1000
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity; all of the machine's where it has none): llama-server's
+    threads by default."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _free_port() -> int:
