@@ -24,7 +24,7 @@ from draftheads.data.regenerate import (
     resolve_reasoning,
     settings_key,
 )
-from draftheads.data.self_made import NearDuplicates, cache_file, distinct_bigrams, self_made_prompts
+from draftheads.data.self_made import NearDuplicates, Sampler, cache_file, distinct_bigrams, self_made_prompts
 from draftheads.data.sources import row_location
 from draftheads.data.templates import (
     TemplateRejected,
@@ -174,16 +174,18 @@ def near_eval(chats: list, held_out: list[str], threshold: float = 0.7, shown: i
 
 
 def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: str | Path,
-                report: DataReport | None = None, show_progress: bool = True):
+                report: DataReport | None = None, show_progress: bool = True, engine: Sampler | None = None):
     """``src`` itself, or for a ``self_made`` source a JSONL source over the first ``count`` prompts the target
-    wrote (:func:`~draftheads.data.self_made.self_made_prompts`, cached), written to
-    ``<cache>/self_made/<key>-<count>.jsonl``: every reader downstream (rows, eval prompts, row numbering) reads
-    it as any file. What the filters dropped and the prompts' diversity go into ``report.self_made``."""
+    wrote (:func:`~draftheads.data.self_made.self_made_prompts`, cached; sampled by ``engine`` where one is given),
+    written to ``<cache>/self_made/<key>-<count>.jsonl``: every reader downstream (rows, eval prompts, row
+    numbering) reads it as any file. What the filters dropped and the prompts' diversity go into
+    ``report.self_made``."""
     if src.source != "self_made":
         return src
     counts = Counter()
-    rows = self_made_prompts(src.self_made, count, target, tokenizer, model_id, cache_dir, counts, show_progress)
-    path = cache_file(src.self_made, model_id, tokenizer.chat_template, cache_dir)
+    rows = self_made_prompts(src.self_made, count, target, tokenizer, model_id, cache_dir, counts, show_progress,
+                             engine)
+    path = cache_file(src.self_made, model_id, tokenizer.chat_template, cache_dir, engine and engine.name)
     path = path.with_name(f"{path.stem}-{count}.jsonl")
     if not path.exists():
         tmp = path.with_name(path.name + ".tmp")
@@ -201,17 +203,19 @@ def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: s
 
 
 def made_sources(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path, report: DataReport,
-                 show_progress: bool = True):
+                 show_progress: bool = True, engine: Sampler | None = None):
     """``data_cfg`` with each ``self_made`` source (itself, or a ``data.mixture`` component) made into a file
-    (:func:`made_source`), asked for the rows its share of training and validation reads."""
+    (:func:`made_source`, ``engine`` sampling where given), asked for the rows its share of training and validation
+    reads."""
     if data_cfg.mixture:
         weights = [m.weight for m in data_cfg.mixture]
         counts = [a + b for a, b in zip(_shares(data_cfg.num_train_prompts, weights),
                                         _shares(data_cfg.num_val_prompts, weights))]
         return replace(data_cfg, mixture=[made_source(m, n, target, tokenizer, model_id, cache_dir, report,
-                                                      show_progress) for m, n in zip(data_cfg.mixture, counts)])
+                                                      show_progress, engine)
+                                          for m, n in zip(data_cfg.mixture, counts)])
     return made_source(data_cfg, data_cfg.num_train_prompts + data_cfg.num_val_prompts, target, tokenizer, model_id,
-                       cache_dir, report, show_progress)
+                       cache_dir, report, show_progress, engine)
 
 
 def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path,
@@ -230,7 +234,8 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     thinking mode (:func:`with_thinking`, seeded by ``data.generation.seed``), rendered, answered and trained in
     it; the rows carry ``thinking`` and the report counts them. ``held_out``: the eval prompts' texts, which the
     training prompts are checked against (:func:`near_eval`, in the report's ``near_eval``); ``vllm``: what
-    :func:`make_backend` needs for ``data.generation.engine=vllm``.
+    :func:`make_backend` needs for ``data.generation.engine=vllm``, whose engine then samples the training's
+    self-made prompts too (the eval sets' are always the target's in process: every job measures the same ones).
     Raises ``ValueError`` for no chat template, ``data.num_val_prompts`` < 1, a thinking fraction outside [0, 1]
     or one for a template with no thinking switch, or no trainable token left; ``RuntimeError`` for more failed
     answers than ``data.max_failed_fraction`` allows (:func:`check_failed`).
@@ -240,11 +245,13 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     if data_cfg.thinking_fraction is not None:  # before any row is read
         check_thinking_switch(tokenizer, "data.thinking_fraction")
     report = DataReport()
+    backend = make_backend(data_cfg, target, tokenizer, vllm) if data_cfg.regenerate else None  # started on use
+    engine = backend if isinstance(backend, VLLMBackend) else None  # vLLM's samples the self-made prompts too
     if rank == 0:  # the target writes self-made prompts once; the other ranks read them from the cache
-        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, report, show_progress)
+        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, report, show_progress, engine)
     barrier()
     if rank != 0:
-        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, DataReport(), False)
+        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, DataReport(), False, engine)
     train, val = split_chats(data_cfg, tokenizer, report)
     if held_out:
         report.near_eval = near_eval(train, held_out)
@@ -254,7 +261,6 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     chats = train + val
     if data_cfg.regenerate:
         messages = [c for c in chats if c.tokens is None]
-        backend = make_backend(data_cfg, target, tokenizer, vllm)
         key = cache_key(model_id, messages, data_cfg.generation, backend.name, tokenizer.chat_template)
         answered = regenerate(backend, messages, data_cfg.generation.batch_size,
                               Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress,

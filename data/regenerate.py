@@ -170,14 +170,16 @@ class VLLMBackend:
         raise RuntimeError(f"vLLM's engine did not start for {self.target} (exit {process.wait()}): see its output "
                            f"above")
 
-    def answer(self, histories: list[list[dict]],
-               thinking: list[bool | None] | None = None) -> list[tuple[dict, bool]]:
+    def generate(self, prompts: list[list[int]], settings: GenerationSettings,
+                 seeds: list[int] | None = None) -> list[tuple[list[int], bool]]:
+        """Generated ids per prompt (token ids, as the target's tokenizer encodes them), through the first stop
+        token (included when ``finished``), at ``settings``' sampling; ``seeds``: one per prompt (identical prompts
+        then draw different samples: self-made prompts), else ``settings.seed`` for all. Starts the engine on
+        first use; ``RuntimeError`` when it ends before answering."""
         self.process = self.process or self._start()
-        modes = thinking or [None] * len(histories)
-        encoded = [prompt_ids(self.tokenizer, h, mode) for h, mode in zip(histories, modes)]
-        s = self.settings
-        request = {"prompts": encoded, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                   "max_tokens": s.max_new_tokens, "stop": self.stop, "seed": s.seed}
+        s = settings
+        request = {"prompts": prompts, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
+                   "max_tokens": s.max_new_tokens, "stop": self.stop, "seed": s.seed, "seeds": seeds}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         for line in self.process.stdout:
@@ -188,7 +190,15 @@ class VLLMBackend:
         out = []
         for ids, reason in json.loads(line[len(ANSWERS):]):
             tokens, _ = cut_at_stop(ids, s.max_new_tokens, self.stop)
-            finished = bool(tokens) and tokens[-1] in self.stop or reason == "stop"
+            out.append((tokens, bool(tokens) and tokens[-1] in self.stop or reason == "stop"))
+        return out
+
+    def answer(self, histories: list[list[dict]],
+               thinking: list[bool | None] | None = None) -> list[tuple[dict, bool]]:
+        modes = thinking or [None] * len(histories)
+        encoded = [prompt_ids(self.tokenizer, h, mode) for h, mode in zip(histories, modes)]
+        out = []
+        for tokens, finished in self.generate(encoded, self.settings):
             answer = tokens[:-1] if tokens and tokens[-1] in self.stop else tokens
             out.append(({"role": "assistant", "content": self.tokenizer.decode(answer), "token_ids": answer}, finished))
         return out

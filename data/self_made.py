@@ -26,6 +26,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from draftheads.data.generation import GenerationSettings, generate_ids
@@ -177,18 +178,37 @@ def pre_query(tokenizer, system: str | None) -> str:
     return text[:text.index(marker)]
 
 
-def cache_file(settings: SelfMade, model_id: dict, chat_template: str | None, cache_dir: str | Path) -> Path:
-    """Where the candidates of ``settings`` for this target live: keyed by the target, its template and every
-    setting that changes a candidate (not the filters, which run on read, nor the count)."""
+class Sampler(Protocol):
+    """Another engine than the target in process that samples the prompts (``data.generation.engine=vllm``:
+    :class:`~draftheads.data.regenerate.VLLMBackend`): its ``name`` keys the cache (another engine samples other
+    prompts from the same seed)."""
+    name: str
+
+    def generate(self, prompts: list[list[int]], settings: GenerationSettings,
+                 seeds: list[int] | None = None) -> list[tuple[list[int], bool]]: ...
+
+
+def cache_file(settings: SelfMade, model_id: dict, chat_template: str | None, cache_dir: str | Path,
+               engine: str | None = None) -> Path:
+    """Where the candidates of ``settings`` for this target live: keyed by the target, its template, every
+    setting that changes a candidate (not the filters, which run on read, nor the count) and the ``engine``'s
+    name when one samples them (None: the target in process, through transformers)."""
     made = {k: v for k, v in asdict(settings).items() if k in ("topics", "temperature", "top_p", "seed",
                                                                    "max_prompt_tokens", "batch_size", "keep_system")}
-    key = hashlib.sha256(json.dumps([model_id, chat_template, made], sort_keys=True).encode()).hexdigest()[:16]
+    key = hashlib.sha256(json.dumps([model_id, chat_template, made] + ([engine] if engine else []),
+                                    sort_keys=True).encode()).hexdigest()[:16]
     return Path(cache_dir).expanduser() / "self_made" / f"{key}.jsonl"
 
 
-def sample_batch(model, tokenizer, settings: SelfMade, index: int) -> list[dict]:
+def batch_seed(settings: SelfMade, index: int) -> int:
+    """The seed of batch ``index`` of ``settings.seed`` (32 bits)."""
+    return int(hashlib.sha256(f"{settings.seed}|{index}".encode()).hexdigest()[:8], 16)
+
+
+def sample_batch(model, tokenizer, settings: SelfMade, index: int, engine: Sampler | None = None) -> list[dict]:
     """Batch ``index``: ``batch_size`` user messages sampled by the target after the pre-query template of topic
-    ``topics[index % len(topics)]``, from seed ``(seed, index)`` (the global RNG left as it was):
+    ``topics[index % len(topics)]``, from :func:`batch_seed` (the global RNG left as it was), by ``model`` in
+    process or by ``engine`` (each prompt from that seed plus its place in the batch):
     ``{"text", "topic", "finished", "system"}`` each."""
     refuse_partial(model, "writing self-made prompts", "make them once with the whole target (a run of the job, or "
                                                        "train/regenerate.py), then train partially")
@@ -196,24 +216,30 @@ def sample_batch(model, tokenizer, settings: SelfMade, index: int) -> list[dict]
     prefix = tokenizer(pre_query(tokenizer, TOPICS[topic]), add_special_tokens=False)["input_ids"]
     sampling = GenerationSettings(max_new_tokens=settings.max_prompt_tokens, temperature=settings.temperature,
                                   top_p=settings.top_p)
-    stop = stop_token_ids(tokenizer, model.generation_config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(hashlib.sha256(f"{settings.seed}|{index}".encode()).hexdigest()[:8], 16))
-        made = generate_ids(model, tokenizer, [prefix] * settings.batch_size, sampling, stop)
+    seed = batch_seed(settings, index)
+    if engine is not None:
+        made = engine.generate([prefix] * settings.batch_size, sampling,
+                               [seed + j for j in range(settings.batch_size)])
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            made = generate_ids(model, tokenizer, [prefix] * settings.batch_size, sampling,
+                                stop_token_ids(tokenizer, model.generation_config))
     return [{"text": tokenizer.decode(ids[:-1] if finished else ids), "topic": topic, "finished": finished,
              "system": TOPICS[topic]} for ids, finished in made]
 
 
 def self_made_prompts(settings: SelfMade, count: int, model, tokenizer, model_id: dict, cache_dir: str | Path,
-                      counts: Counter | None = None, show_progress: bool = True) -> list[dict]:
+                      counts: Counter | None = None, show_progress: bool = True,
+                      engine: Sampler | None = None) -> list[dict]:
     """The first ``count`` prompts of ``settings`` that pass :func:`keep`, sampling (and caching) batches until
     that many survive or ``max_batches`` (default: 4 x ``count`` / ``batch_size`` batches) were sampled: fewer
     than ``count`` then. ``counts`` gets ``made`` (candidates sampled), ``kept`` (passed the filters, used or
     not) and the drops by reason (:data:`REASONS`): made = kept + drops. Each prompt is ``{"prompt"}`` (and
     ``"system"`` with ``keep_system``), ``"topic"`` and ``"row"``, its index among the kept. A target of another
-    device is fine: the model generates where it lies."""
+    device is fine: the model generates where it lies; ``engine`` samples instead of it (:func:`sample_batch`)."""
     check_template(tokenizer)  # a target without a template: refused before any generation
-    path = cache_file(settings, model_id, tokenizer.chat_template, cache_dir)
+    path = cache_file(settings, model_id, tokenizer.chat_template, cache_dir, engine and engine.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     specials = tuple(s for s in tokenizer.all_special_tokens if s) + ("<|im_start|>", "<start_of_turn>")
@@ -222,7 +248,7 @@ def self_made_prompts(settings: SelfMade, count: int, model, tokenizer, model_id
     for c in (c for b in batches for c in b):
         keeper.offer(c)
     while len(keeper.kept) < count and len(batches) < limit:
-        batch = sample_batch(model, tokenizer, settings, len(batches))
+        batch = sample_batch(model, tokenizer, settings, len(batches), engine)
         with open(path, "a") as f:  # a whole batch per line: a killed run resumes after its last one
             f.write(json.dumps(batch) + "\n")
         batches.append(batch)

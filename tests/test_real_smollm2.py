@@ -3,6 +3,7 @@
 import copy
 import json
 import os
+from collections import Counter
 
 import pytest
 import torch
@@ -143,7 +144,8 @@ def test_regenerate_then_train_from_the_file_trains_what_the_job_trains(smollm2,
 def test_vllms_engine_answers_as_the_transformers_path_but_at_ties(smollm2):
     """data.generation.engine=vllm: vLLM's offline engine answers the same prompts, rendered the same way, with the
     same greedy tokens as the transformers path, except where the target's top-2 logits tie (the two compute the
-    same float32 logits with other kernels), and at least 7 of 8 prompts token for token."""
+    same float32 logits with other kernels), and at least 7 of 8 prompts token for token; the same engine samples
+    self-made prompts, one seed each."""
     from draftheads.data.pipeline import make_backend
     from draftheads.data.sources import chitchat_prompts
 
@@ -166,3 +168,13 @@ def test_vllms_engine_answers_as_the_transformers_path_but_at_ties(smollm2):
         plain = plain_decode(model, torch.tensor(prompt_ids(tokenizer, chat.messages)), 32, stop)
         assert plain.top2_gaps[first] < 1e-3, (chat.row, first, plain.top2_gaps[first])
     assert same >= 7
+
+    # the same engine samples self-made prompts: a seed per prompt gives a batch of different messages, the same
+    # batch again the same ones, and many pass the filters (about 6 in 10 do at these settings: 4 of 16 is far below)
+    from draftheads.data import self_made as sm
+    settings = sm.SelfMade(batch_size=16)
+    batch = sm.sample_batch(model, tokenizer, settings, 0, vllm)
+    assert batch == sm.sample_batch(model, tokenizer, settings, 0, vllm)
+    texts = [c["text"] for c in batch]
+    assert len(set(texts)) == len(texts) and batch != sm.sample_batch(model, tokenizer, settings, 1, vllm)
+    assert len(sm.keep(batch, settings, tuple(tokenizer.all_special_tokens), Counter())) >= 4, texts

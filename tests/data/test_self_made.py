@@ -94,6 +94,43 @@ def test_the_same_seed_gives_the_same_prompts_and_a_larger_request_extends_them(
     assert [p["prompt"] for p in other] != [p["prompt"] for p in first]
 
 
+class RecordingSampler:
+    """An engine that samples in place of the target (as vLLM's does with data.generation.engine=vllm): each
+    prompt's message is a function of its seed alone, and every call is recorded."""
+    name = "recording"
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.calls = tokenizer, []
+
+    def generate(self, prompts, settings, seeds=None):
+        self.calls.append((prompts, settings, seeds))
+        end = sorted(stop_token_ids(self.tokenizer))[0]
+        return [(self.tokenizer(f"Question {s} about item {s % 97} please", add_special_tokens=False)["input_ids"]
+                 + [end], True) for s in seeds]
+
+
+def test_another_engine_samples_each_prompt_from_its_own_seed_in_a_cache_of_its_own(tiny, tmp_path, monkeypatch):
+    """With an engine, the target in process generates nothing; the engine gets the pre-query template once per
+    prompt with the self-made sampling settings and a seed per prompt (distinct within a batch and across batches,
+    the same for the same batch again), and its prompts are cached apart from the target's own."""
+    model, tokenizer = tiny
+    monkeypatch.setattr(sm, "generate_ids", lambda *a, **k: pytest.fail("the target in process generated"))
+    engine = RecordingSampler(tokenizer)
+    made = sm.self_made_prompts(SETTINGS, 20, model, tokenizer, {"t": 1}, tmp_path / "a", show_progress=False,
+                                engine=engine)
+    again = sm.self_made_prompts(SETTINGS, 20, model, tokenizer, {"t": 1}, tmp_path / "b", show_progress=False,
+                                 engine=RecordingSampler(tokenizer))
+    assert len(made) == 20 and made == again
+    (first, settings, seeds0), (_, _, seeds1) = engine.calls
+    prefix = tokenizer(sm.pre_query(tokenizer, sm.TOPICS[SETTINGS.topics[0]]), add_special_tokens=False)["input_ids"]
+    assert first == [prefix] * SETTINGS.batch_size
+    assert (settings.temperature, settings.top_p, settings.max_new_tokens) == (1.0, 0.95, 64)
+    assert len(set(seeds0 + seeds1)) == 2 * SETTINGS.batch_size
+    ours = sm.cache_file(SETTINGS, {"t": 1}, tokenizer.chat_template, tmp_path / "a")
+    theirs = sm.cache_file(SETTINGS, {"t": 1}, tokenizer.chat_template, tmp_path / "a", engine.name)
+    assert theirs.exists() and not ours.exists()
+
+
 def test_a_target_without_a_chat_template_is_refused_before_any_generation(cache_dir, tmp_path, monkeypatch):
     model, tokenizer, _ = load_target(TargetSpec(name_or_path="tiny://llama"), cache_dir)
     monkeypatch.setattr(tokenizer, "chat_template", None)
