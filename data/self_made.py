@@ -216,17 +216,16 @@ def sample_batch(model, tokenizer, settings: SelfMade, index: int, engine: Sampl
     prefix = tokenizer(pre_query(tokenizer, TOPICS[topic]), add_special_tokens=False)["input_ids"]
     sampling = GenerationSettings(max_new_tokens=settings.max_prompt_tokens, temperature=settings.temperature,
                                   top_p=settings.top_p)
-    seed = batch_seed(settings, index)
+    seed, stop = batch_seed(settings, index), stop_token_ids(tokenizer, model.generation_config)
     if engine is not None:
         made = engine.generate([prefix] * settings.batch_size, sampling,
                                [seed + j for j in range(settings.batch_size)])
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            made = generate_ids(model, tokenizer, [prefix] * settings.batch_size, sampling,
-                                stop_token_ids(tokenizer, model.generation_config))
-    return [{"text": tokenizer.decode(ids[:-1] if finished else ids), "topic": topic, "finished": finished,
-             "system": TOPICS[topic]} for ids, finished in made]
+            made = generate_ids(model, tokenizer, [prefix] * settings.batch_size, sampling, stop)
+    return [{"text": tokenizer.decode(ids[:-1] if ids and ids[-1] in stop else ids), "topic": topic,
+             "finished": finished, "system": TOPICS[topic]} for ids, finished in made]
 
 
 def self_made_prompts(settings: SelfMade, count: int, model, tokenizer, model_id: dict, cache_dir: str | Path,
