@@ -14,7 +14,7 @@ def pytest_configure(config):
     """A pytest-xdist worker (``PYTEST_XDIST_WORKER`` gw0, gw1, ...) runs on one core of the session's affinity,
     its index modulo their number, and so does everything it starts: torch on one thread, the jobs it launches (2
     ranks share the core, one thread each: ``draftheads.training.runtime``), vLLM's engine bound there
-    (``VLLM_CPU_OMP_THREADS_BIND``; it would otherwise bind every core) and llama-server on the cores of its
+    (``VLLM_CPU_OMP_THREADS_BIND``; by default it binds cores of its own choosing) and llama-server on the cores of its
     affinity. Two workers on two cores then never oversubscribe them, where two unpinned ones would run their
     threads on both (spinning OpenMP and ggml threads, many times slower). Each worker has its own temporary cache
     (``cache_dir``), and ``--dist loadfile`` keeps a module's fixtures on one worker."""
