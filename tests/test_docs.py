@@ -57,3 +57,12 @@ def test_the_readmes_headline_tau_is_the_stamped_table_of_docs_medusa():
     for method, tau, lo, hi in quoted:
         row = rf"chitchat\s+medusa_{method}\s+{re.escape(tau)} \[{re.escape(lo)},{re.escape(hi)}\]"
         assert re.search(row, table), (method, tau, lo, hi)
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    """``.ci/run`` holds README's test set-up command, after its venv line, as one line of its own: CI checks the
+    command a newcomer copies, not a neighbour of it."""
+    readme = (ROOT / "README.md").read_text()
+    command = re.search(r"Install and run the tests:\n\n```bash\n(.+)\n```", readme).group(1)
+    after_venv = command.split(" && ", 2)[2]  # past `python3 -m venv .venv && . .venv/bin/activate`
+    assert after_venv in (ROOT / ".ci" / "run").read_text().splitlines()
