@@ -10,8 +10,9 @@ One import namespace, layered from the bottom up (``tests/test_architecture.py``
   rank-aware runtime, sharding engines, typed configs. ``draftheads.evaluation``: the speculative
   evaluator, its report, and the vLLM side of parity.
 - ``draftheads.drafters``: one folder per drafter (module, training strategies, validation, exports, peers,
-  what it saves) behind a :class:`~draftheads.drafters.contract.Recipe` (a base with defaults;
-  :class:`~draftheads.drafters.contract.FeatureRecipe` for drafters on target layers), and the registry.
+  what it saves) behind a :class:`~draftheads.drafters.contract.Recipe`: its declaration
+  (:class:`~draftheads.drafters.spec.DrafterSpec`) and its training, artifacts and serving behaviours (defaults in
+  the base; :class:`~draftheads.drafters.contract.FeatureRecipe` for drafters on target layers), and the registry.
 - ``draftheads.runs``: a training run's life in one module (``runs/life.py``: open, train, finish, evaluate,
   close) for any registered drafter, with its output folder, rows, serving preflight, and finished and peer
   runs read back beside it.

@@ -36,15 +36,21 @@ def test_every_commit_the_docs_cite_is_in_the_history():
     assert not missing, f"commits cited in the docs that are not in the history: {missing}"
 
 
-def test_docs_extending_names_only_what_the_recipe_has():
-    """docs/extending.md's paragraph on the ``Recipe`` names its attributes and methods in backticks: each must be
-    one the class declares (issue 54: it named a hook, ``attach_states``, that no longer existed)."""
-    from draftheads.drafters.contract import FeatureRecipe, Recipe
+def test_docs_extending_names_only_what_the_contract_has():
+    """docs/extending.md's paragraphs on the drafter contract name its fields and methods in backticks: each must be
+    one the spec, a behaviour protocol or the recipe bases declare (issue 54: it named a hook, ``attach_states``,
+    that no longer existed), and every method a behaviour protocol declares is named."""
+    from draftheads.drafters.contract import Artifacts, FeatureRecipe, Recipe, Serving, Training
+    from draftheads.drafters.spec import DrafterSpec
     text = (ROOT / "docs" / "extending.md").read_text()
-    paragraph = text[text.index("The `Recipe` says"):text.index("Each method's contract")]
+    paragraph = text[text.index("The recipe is two things"):text.index("Then one line in")]
     names = set(re.findall(r"`([a-z_]+)`", paragraph))
-    declared = {n for cls in (Recipe, FeatureRecipe) for n in (*vars(cls), *getattr(cls, "__annotations__", {}))}
-    assert names and not names - declared, f"docs/extending.md names what the Recipe does not have: {names - declared}"
+    protocols = (Training, Artifacts, Serving)
+    declared = {n for cls in (DrafterSpec, *protocols, Recipe, FeatureRecipe)
+                for n in (*vars(cls), *getattr(cls, "__annotations__", {}))}
+    assert names and not names - declared, f"docs/extending.md names what the contract lacks: {names - declared}"
+    behaviour = {n for cls in protocols for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
+    assert not behaviour - names, f"docs/extending.md does not name {behaviour - names}"
 
 
 def test_the_readmes_headline_tau_is_the_stamped_table_of_docs_medusa():

@@ -43,7 +43,7 @@ generates."""
 
 def family_overrides(family: str, drafter: str) -> list[str]:
     """``drafter``'s overrides on ``family``'s target: its mask token where the family has no spare one."""
-    section = getattr(drafters.get(drafter).schema(), drafter)  # its config section, at the defaults
+    section = getattr(drafters.get(drafter).spec.schema(), drafter)  # its config section, at the defaults
     takes_mask = "mask_token_id" in {f.name for f in dataclasses.fields(section)}
     return [f"{drafter}.mask_token_id={MASK_TOKEN[family]}"] if takes_mask and family in MASK_TOKEN else []
 JOB = ["data.num_train_prompts=24", "data.num_val_prompts=4", "eval.max_new_tokens=24",
@@ -234,7 +234,7 @@ def test_every_drafter_trains_and_decodes_losslessly_past_the_window(family, job
 @pytest.mark.slow
 def test_exports_load_back_strictly(family, jobs):
     for drafter, (folder, report) in jobs.items():
-        run = open_run(folder, [], drafters.get(drafter).vllm_weights)  # the strict loaders of the vLLM export
+        run = open_run(folder, [], drafters.get(drafter).spec.vllm_weights)  # the strict loaders of the vLLM export
         assert run.trained.model is not None
         assert json.loads((folder / "report.json").read_text())["eval"].keys() == report["eval"].keys()
     heads = load_tgi_medusa(jobs["medusa"][0] / "export" / "tgi")

@@ -53,9 +53,9 @@ def of_run(run_dir: str | Path) -> Recipe:
 
 def check_method_names(names: Iterable[str]) -> None:
     """``eval.peers`` names, checked before any work: each must be a method some registered drafter's runs offer
-    (its ``Recipe.methods``) or prompt lookup, optionally with the ``@<run folder>`` a peer run's method takes when
+    (its ``DrafterSpec.methods``) or prompt lookup, optionally with the ``@<run folder>`` a peer run's method takes when
     its name is already taken. Raises ``ValueError`` naming the unknown ones and every method's name."""
-    patterns = [PROMPT_LOOKUP] + [p for name in DRAFTERS for p in get(name).methods]
+    patterns = [PROMPT_LOOKUP] + [p for name in DRAFTERS for p in get(name).spec.methods]
     unknown = [n for n in names if not any(re.fullmatch(p, n.split("@")[0]) for p in patterns)]
     if unknown:
         raise ValueError(f"eval.peers: {unknown} name no method; methods: {patterns} (a peer run's, when its name "
@@ -67,5 +67,5 @@ def register_configs() -> None:
     regeneration job's, so Hydra composes them."""
     store = ConfigStore.instance()
     for name in DRAFTERS:
-        store.store(name=f"{name}_schema", node=get(name).schema)
+        store.store(name=f"{name}_schema", node=get(name).spec.schema)
     store.store(name="regenerate_schema", node=RegenerateConfig)

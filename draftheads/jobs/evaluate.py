@@ -48,7 +48,7 @@ def evaluate_run(run_dir: Path, overrides: list[str] = (), weights: str | None =
 def _evaluate(run_dir: Path, overrides: list[str], weights: str | None, backend: str, vllm_venv: str | None) -> dict:
     """:func:`evaluate_run` once the run's folder is held."""
     in_vllm = backend == "vllm"
-    run = open_run(run_dir, overrides, weights or (drafters.of_run(run_dir).vllm_weights if in_vllm else None),
+    run = open_run(run_dir, overrides, weights or (drafters.of_run(run_dir).spec.vllm_weights if in_vllm else None),
                    partial=in_vllm)
     conf = replace(run.conf, eval=replace(run.conf.eval, enabled=True))
     drafters.check_method_names(conf.eval.peers or ())
@@ -101,7 +101,7 @@ def vllm_sets(run, conf, vllm_venv: str | None) -> dict:
     run's ``vllm.*`` parallelism; a vLLM without the drafter's method is refused first
     (:func:`~draftheads.runs.preflight.vllm_serving`)."""
     spec = run.recipe.vllm_config(run.folder, conf, run.trained)
-    python = vllm_serving(run.recipe, spec["method"], vllm_venv)  # a vLLM without the method: refused here
+    python = vllm_serving(run.recipe.spec, spec["method"], vllm_venv)  # a vLLM without the method: refused here
     stop = sorted(stop_token_ids(run.tokenizer, run.target.generation_config))
     tokenizer = run.tokenizer
     return {name: evaluate_in_vllm(python, run.target_path, spec,

@@ -13,7 +13,7 @@ from draftheads.serving.llamacpp_env import ensure_llamacpp
 
 def export_run(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str | None = None) -> dict[str, str]:
     """Rewrite ``run_dir``'s server formats under ``export/`` from its saved drafter, and each one's
-    ``serving.json`` (:meth:`~draftheads.drafters.contract.Recipe.write_serving`); with ``llamacpp_dir`` also the
+    ``serving.json`` (:meth:`~draftheads.drafters.contract.Serving.write_serving`); with ``llamacpp_dir`` also the
     GGUF llama.cpp serves (:func:`~draftheads.jobs.llamacpp.llamacpp_export`, llama.cpp built there on first use).
     Returns ``{format: folder}`` (empty for a drafter whose saved model is its export, like DFlash's, without
     ``llamacpp_dir``). Raises ``ValueError`` for a drafter llama.cpp does not serve as trained; what
@@ -27,7 +27,7 @@ def export_run(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str | Non
         for path in run.recipe.write_serving(Path(run_dir), run.conf, run.trained):
             print(f"serving: {path}", flush=True)
     if llamacpp is not None:
-        run = open_run(run_dir, overrides, run.recipe.vllm_weights)
+        run = open_run(run_dir, overrides, run.recipe.spec.vllm_weights)
         paths["llama.cpp"] = str(llamacpp_export(run, llamacpp))
     return paths
 

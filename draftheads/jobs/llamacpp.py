@@ -38,23 +38,23 @@ from draftheads.serving.preflight import mismatches
 def llamacpp_unread(run: SavedRun) -> list[str]:
     """What of ``run``'s drafter llama.cpp does not serve as trained: ``ValueError`` for a drafter it does not serve
     at all (Medusa); the settings its GGUF loader does not read
-    (:meth:`~draftheads.drafters.contract.Recipe.llamacpp_unread`), with which it would serve another drafter."""
-    if run.recipe.llamacpp_spec is None:
-        raise ValueError(f"{run.folder}: llama.cpp {BUILD} serves no {run.recipe.name} drafter (docs/serving.md)")
+    (:meth:`~draftheads.drafters.contract.Serving.llamacpp_unread`), with which it would serve another drafter."""
+    if run.recipe.spec.llamacpp_spec is None:
+        raise ValueError(f"{run.folder}: llama.cpp {BUILD} serves no {run.recipe.spec.name} drafter (docs/serving.md)")
     return run.recipe.llamacpp_unread(run.conf, run.trained, run.target)
 
 
 def llamacpp_export(run: SavedRun, llamacpp: LlamaCpp, force: bool = False) -> Path:
-    """``<run>/export/llama.cpp/draft.gguf``: the run's strict export (``recipe.vllm_weights``) converted by
+    """``<run>/export/llama.cpp/draft.gguf``: the run's strict export (``recipe.spec.vllm_weights``) converted by
     llama.cpp's ``convert_hf_to_gguf.py`` at float32, the target's folder giving the tokenizer and sizes. Refused
     (``ValueError``) where :func:`llamacpp_unread` names settings, unless ``force``; ``RuntimeError`` when the
     converter refuses it."""
     unread = llamacpp_unread(run)
     if unread and not force:
-        raise ValueError(f"{run.folder}: llama.cpp {BUILD} would load this {run.recipe.name} export and serve "
+        raise ValueError(f"{run.folder}: llama.cpp {BUILD} would load this {run.recipe.spec.name} export and serve "
                          f"another drafter: " + "; ".join(unread) + " (force=true makes it anyway)")
     with holding(run.folder):
-        return convert(llamacpp, run.folder / run.recipe.vllm_weights, Path(run.target_path),
+        return convert(llamacpp, run.folder / run.recipe.spec.vllm_weights, Path(run.target_path),
                        run.folder / EXPORT / DRAFT_GGUF)
 
 
@@ -110,10 +110,10 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
     ``<run>/llamacpp_parity.json``; raises ``SystemExit(1)`` without parity on every set. llama.cpp is made on
     first use (:func:`~draftheads.serving.llamacpp_env.ensure_llamacpp`, ``llamacpp_dir``)."""
     recipe = drafters.of_run(Path(run_dir))
-    if recipe.llamacpp_spec is None:  # before anything is built or loaded
-        raise ValueError(f"{run_dir}: llama.cpp {BUILD} serves no {recipe.name} drafter (docs/serving.md)")
+    if recipe.spec.llamacpp_spec is None:  # before anything is built or loaded
+        raise ValueError(f"{run_dir}: llama.cpp {BUILD} serves no {recipe.spec.name} drafter (docs/serving.md)")
     llamacpp, threads = ensure_llamacpp(llamacpp_dir), threads or usable_cores()
-    run = open_run(run_dir, overrides, recipe.vllm_weights)  # the export, read back as the GGUF is made from it
+    run = open_run(run_dir, overrides, recipe.spec.vllm_weights)  # the export, read back as the GGUF is made from it
     unread = llamacpp_unread(run)
     draft = Path(draft_gguf) if draft_gguf else llamacpp_export(run, llamacpp, force)
     target = Path(target_gguf) if target_gguf else float_target(llamacpp, Path(run.target_path))
@@ -134,7 +134,7 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
             ours.append({"tokens": r.tokens, "steps": r.accepted_per_step})
         plain, _ = served(llamacpp, target, ids, budget, threads, repack)
         spec, read = served(llamacpp, target, ids, budget, threads, repack, draft=draft,
-                            spec_type=recipe.llamacpp_spec, n_max=drafter.gamma)
+                            spec_type=recipe.spec.llamacpp_spec, n_max=drafter.gamma)
         rows.append(parity_row(name, ours_plain, ours, plain, spec, budget, drafter.gamma, mismatches(meant, read),
                                weights == "ALL_F32"))
     print(f"\n{drafter.name} in llama.cpp {BUILD} ({target.name}, {weights}, {threads} threads) vs draftheads, greedy, "
@@ -154,7 +154,7 @@ def llamacpp_parity(run_dir: Path, overrides: list[str] = (), llamacpp_dir: str 
     if unread:
         print("served anyway (force=true), though llama.cpp does not read: " + "; ".join(unread))
     (Path(run_dir) / "llamacpp_parity.json").write_text(json.dumps(
-        {"method": drafter.name, "llama.cpp": BUILD, "spec_type": recipe.llamacpp_spec, "n_max": drafter.gamma,
+        {"method": drafter.name, "llama.cpp": BUILD, "spec_type": recipe.spec.llamacpp_spec, "n_max": drafter.gamma,
          "target": run.target_path, "target_gguf": str(target), "draft_gguf": str(draft), "weights": weights,
          "threads": threads, "repack": repack, "max_new_tokens": budget, "unread": unread, "rows": rows}, indent=1))
     if not all(r["parity"] for r in rows):

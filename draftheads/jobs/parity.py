@@ -18,17 +18,17 @@ from draftheads.serving.vllm_env import VLLM
 
 
 def parity(run_dir: Path, overrides: list[str] = (), vllm_venv: str | None = None, serve: bool = False) -> list[dict]:
-    """Decode the run's eval prompts with its export as vLLM loads it (``recipe.vllm_weights``, read back by
+    """Decode the run's eval prompts with its export as vLLM loads it (``recipe.spec.vllm_weights``, read back by
     the strict loader) on both sides: our chain evaluator and vLLM's CPU build (offline ``LLM`` API; with
     ``serve`` also its OpenAI server). Prints the table, writes ``<run>/vllm_parity.json``; raises
     ``SystemExit(1)`` without parity. The vLLM environment is made on first use
     (``$DRAFTHEADS_CACHE/vllm-venv`` unless ``vllm_venv``); one whose vLLM lacks the drafter's method is refused
     before any engine starts (``ValueError``, :func:`~draftheads.runs.preflight.vllm_serving`)."""
-    run = open_run(run_dir, overrides, drafters.of_run(run_dir).vllm_weights)  # refused before vLLM is set up
+    run = open_run(run_dir, overrides, drafters.of_run(run_dir).spec.vllm_weights)  # refused before vLLM is set up
     eval_cfg, tokenizer = run.conf.eval, run.tokenizer
     drafter = run.recipe.chain(run.conf, run.trained, run.target)
     spec = run.recipe.vllm_config(run.folder, run.conf, run.trained)
-    python = vllm_serving(run.recipe, spec["method"], vllm_venv)  # a vLLM without the method: refused here
+    python = vllm_serving(run.recipe.spec, spec["method"], vllm_venv)  # a vLLM without the method: refused here
     rows = []
     for name, prompts in load_eval_sets(replace(eval_cfg, enabled=True), tokenizer).items():
         chats = [prompt_messages(tokenizer, p) for p in prompts]

@@ -77,7 +77,7 @@ def train(name: str, cfg: DictConfig) -> dict:
         # until a checkpoint is written (claim_output_dir), so a start that fails on the data blocks no corrected
         # rerun
         if job.accelerator.is_main_process and job.resume is None and not job.finished:
-            start_ledger(job.out, recipe.name)
+            start_ledger(job.out, recipe.spec.name)
         preflight = serving_preflight(job, recipe)  # a server that misreads the export stops the job here, cheaply
         if served := llamacpp_preflight(job, recipe):
             preflight["llama.cpp"] = served
@@ -108,14 +108,14 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     ``eval.peers`` that is no method's (:func:`~draftheads.drafters.check_method_names`), ``resume=true`` with
     ``overwrite=true``, a resume with settings other than the run's (:func:`~draftheads.runs.resume.check_resume`),
     an ``init_from`` inside output_dir, what ``recipe.check`` refuses, and, with ``resume=true``, for a checkpoint
-    of another target or of a stage not in ``recipe.stages``; ``FileNotFoundError`` for an ``init_from`` that is not
-    there; ``FileExistsError`` for an output_dir holding a training run or files no run writes
+    of another target or of a stage not in ``recipe.spec.stages``; ``FileNotFoundError`` for an ``init_from`` that is
+    not there; ``FileExistsError`` for an output_dir holding a training run or files no run writes
     (:func:`~draftheads.runs.output_dir.claim_output_dir`); ``RuntimeError`` for an output_dir another job holds —
     all before anything in output_dir is deleted or rewritten.
     """
-    conf = to_schema(cfg)
-    if recipe is not None and conf.drafter != recipe.name:
-        raise ValueError(f"drafter={conf.drafter!r}: this job trains {recipe.name!r} (use train/{conf.drafter}.py)")
+    conf, spec = to_schema(cfg), recipe.spec if recipe is not None else None
+    if spec is not None and conf.drafter != spec.name:
+        raise ValueError(f"drafter={conf.drafter!r}: this job trains {spec.name!r} (use train/{conf.drafter}.py)")
     drafters.check_method_names(conf.eval.peers or ())
     if conf.model.partial and recipe is not None:
         check_partial(conf)
@@ -129,7 +129,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
             check_peer_runs(conf.eval.peer_runs, conf.eval.unusable_peers)
         if conf.resume:
             check_resume(out, cfg)
-    claim_job_dir(conf, recipe, delete=False)  # refused before any process starts
+    claim_job_dir(conf, spec, delete=False)  # refused before any process starts
     accelerator = make_accelerator(cfg)
     print0(accelerator, precision)
     optimizer = settle_optimizer(cfg, conf, sharded(accelerator), recorded(out, "trainer.optimizer")
@@ -155,7 +155,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         print0(accelerator, decoding_line(conf, target, tokenizer))
         if recipe is not None:
             recipe.check(conf, target)
-        resume = latest_checkpoint(out, identity, recipe.stages) if recipe is not None and conf.resume else None
+        resume = latest_checkpoint(out, identity, spec.stages) if spec is not None and conf.resume else None
         if resume is not None:  # the plan's settings now, its rows once they are made (the spine)
             check_plan(resume[0], plan_settings(accelerator, conf.trainer))
         finished = (finished_steps(out) or []) if recipe is not None and conf.resume else []
@@ -163,7 +163,7 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
         if recipe is not None and conf.resume and resume is None and not finished:
             print0(accelerator, f"resume=true: {out} holds no checkpoint to continue from: starting afresh")
         if accelerator.is_main_process:
-            claim_job_dir(conf, recipe, delete=True)  # an overwritten run goes only now: every check has passed
+            claim_job_dir(conf, spec, delete=True)  # an overwritten run goes only now: every check has passed
         accelerator.wait_for_everyone()
         start_tracker(accelerator, cfg, run_name=out.name)  # in the claimed folder: an old run's files are gone
         if accelerator.is_main_process and not done:
@@ -245,7 +245,7 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
         finished = _finished(out, recipe, finished, "validation")
         print("validation (held-out rows): " + ", ".join(f"{k}={v:.4f}" for k, v in sorted(val.items())
                                                          if "pos" not in k or k.endswith(("pos1", "pos2"))), flush=True)
-        report = {"drafter": recipe.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
+        report = {"drafter": recipe.spec.name, "config": json.loads(json.dumps(asdict(conf), default=str)),
                   "target": job.target_path, "hardware": hardware(), "distributed": distributed(job.accelerator),
                   "dtype": conf.model.dtype, "precision": job.precision,
                   "resumed_from": str(job.resume[0]) if job.resume else None, "init_from": trained.init_from,
@@ -271,7 +271,7 @@ def finish_run(job: Job, recipe: Recipe, trained: Trained, val_rows: list[dict],
 def _finished(out: Path, recipe: Recipe, finished: list[str], step: str) -> list[str]:
     """``finished`` and ``step``, written into the run's ledger (atomically) before the list is returned."""
     finished = [*finished, step]
-    record_finished(out, recipe.name, finished)
+    record_finished(out, recipe.spec.name, finished)
     return finished
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from draftheads.drafters.contract import Recipe
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.models.target import weights_sample
 from draftheads.run_folder import CHECKPOINTS, CONFIG, EXPORT, LEDGER, PLOT, REPORT, TARGET, finished_steps
 from draftheads.runs.rows import state_cache_dir
@@ -28,7 +28,7 @@ def target_record(target, identity: dict) -> dict:
 RUN_ENTRIES = (CONFIG, TARGET, LEDGER, LEDGER + ".tmp", REPORT, REPORT + ".tmp", CHECKPOINTS, EXPORT, PLOT,
                "vllm_parity.json", "hidden_states", "logs", "wandb", "wandb_run_id")
 """What a run, its state cache build, its tracker and the jobs reading it back write in its output_dir (with
-what its drafter saves beside ``export/``: ``Recipe.saved_entries``): an overwriting run deletes these and
+what its drafter saves beside ``export/``: ``DrafterSpec.saved_entries``): an overwriting run deletes these and
 nothing else."""
 
 LOCK = ".lock"
@@ -38,15 +38,15 @@ PROBE = ".write-probe-"
 """Name prefix of :func:`check_writable`'s probe file (one left by a killed job is a run's too)."""
 
 
-def claim_job_dir(conf: RunConfig, recipe: Recipe | None, delete: bool) -> None:
-    """:func:`claim_output_dir` for a job of ``recipe`` (None: a state cache build). A resumed training run
-    continues its folder unclaimed; a state cache build claims it even with ``resume`` (it resumes by itself)
-    and keeps the cache it writes; a training run keeps the cache it reads (``data.target_states=disk``)."""
-    if recipe is not None and conf.resume:
+def claim_job_dir(conf: RunConfig, spec: DrafterSpec | None, delete: bool) -> None:
+    """:func:`claim_output_dir` for a job of the drafter ``spec`` declares (None: a state cache build). A resumed
+    training run continues its folder unclaimed; a state cache build claims it even with ``resume`` (it resumes by
+    itself) and keeps the cache it writes; a training run keeps the cache it reads (``data.target_states=disk``)."""
+    if spec is not None and conf.resume:
         return
-    reads_cache = recipe is None or conf.data.target_states == TargetStates.disk
+    reads_cache = spec is None or conf.data.target_states == TargetStates.disk
     claim_output_dir(Path(conf.output_dir), conf.overwrite, delete, keep=state_cache_dir(conf) if reads_cache else None,
-                     resumable=recipe is not None, saved=recipe.saved_entries if recipe is not None else ())
+                     resumable=spec is not None, saved=spec.saved_entries if spec is not None else ())
 
 
 def claim_output_dir(out: Path, overwrite: bool, delete: bool, keep: Path | None = None,

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from draftheads import drafters
 from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.contract import Recipe, Trained
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.models.speculative import Sampling, plain_decode, speculative_decode
 from draftheads.models.target import Dtype, TargetSpec, load_target, model_identity, resolve_target_path
 from draftheads.run_folder import CONFIG, EXPORT, LEDGER, TARGET, check_saved
@@ -36,10 +37,10 @@ class SavedRun:
     trained: Trained
 
 
-def run_config(folder: Path, recipe: Recipe, overrides: list[str] = ()):
-    """``folder``'s saved ``config.yaml`` as ``recipe.schema``, with ``key=value`` overrides. Raises
+def run_config(folder: Path, spec: DrafterSpec, overrides: list[str] = ()):
+    """``folder``'s saved ``config.yaml`` as ``spec.schema``, with ``key=value`` overrides. Raises
     ``ValueError`` for an undeclared key or a value outside a choice."""
-    cfg = OmegaConf.merge(OmegaConf.structured(recipe.schema), OmegaConf.load(folder / CONFIG),
+    cfg = OmegaConf.merge(OmegaConf.structured(spec.schema), OmegaConf.load(folder / CONFIG),
                           OmegaConf.from_dotlist(list(overrides)))
     return OmegaConf.to_object(cfg)
 
@@ -60,13 +61,13 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
     that is no folder."""
     folder = Path(run_dir)
     recipe = drafters.of_run(folder)
-    check_finished(folder, recipe)
+    check_finished(folder, recipe.spec)
     if weights is not None and not (folder / weights).is_dir():  # an absolute weights path stays itself
         exports = sorted(p.name for p in (folder / EXPORT).iterdir()) if (folder / EXPORT).is_dir() else []
         raise FileNotFoundError(f"weights={weights}: no such folder in {folder} (its exports: "
                                 f"{', '.join(f'export/{e}' for e in exports) or 'none, it ran with export=false: '}"
                                 f"{'' if exports else f'python train/export.py {folder} writes them'})")
-    trained_with, conf = run_config(folder, recipe).model, run_config(folder, recipe, overrides)
+    trained_with, conf = run_config(folder, recipe.spec).model, run_config(folder, recipe.spec, overrides)
     spec = recipe.target_of(folder, conf)
     own = spec != conf.model  # the run names a target of its own, not the configured one
     if own:
@@ -78,11 +79,11 @@ def open_run(run_dir: str | Path, overrides: list[str] = (), weights: str | None
     return SavedRun(folder, recipe, conf, target, tokenizer, path, recipe.load(folder, conf, target, weights))
 
 
-def check_finished(folder: Path, recipe: Recipe) -> None:
+def check_finished(folder: Path, spec: DrafterSpec) -> None:
     """``FileNotFoundError`` unless ``folder``'s ledger (``progress.json``) lists the save among the steps the
     run finished (:func:`~draftheads.run_folder.check_saved`; ``report.json`` is not read, but for a run
     folder of an older version, without a ledger)."""
-    check_saved(folder, str(folder / LEDGER), f"rerun train/{recipe.name}.py as it was started, with resume=true")
+    check_saved(folder, str(folder / LEDGER), f"rerun train/{spec.name}.py as it was started, with resume=true")
 
 
 TARGET_KEYS = ("name_or_path", "revision", "tiny")
@@ -164,15 +165,15 @@ def load_peer_runs(folders: list[str], record: dict, host_path: str, host_target
                     raise ValueError(f"made for another target: (peer, this run) differ in "
                                      f"{ {k: (theirs.get(k), v) for k, v in record.items() if theirs.get(k) != v} }")
                 recipe = drafters.of_run(folder)
-                check_finished(folder, recipe)
-                conf = run_config(folder, recipe)
+                check_finished(folder, recipe.spec)
+                conf = run_config(folder, recipe.spec)
                 spec = recipe.target_of(folder, conf)
                 path = resolve_target_path(spec, conf.cache_dir)
                 target = (host_target if path == host_path
                           else load_target(spec, conf.cache_dir)[0].to(host_target.device))
                 peers.append(PeerRun(folder, recipe, conf, recipe.load(folder, conf, target), target))
-                notes.append(f"{folder}: {recipe.name}, measured" + ("" if target is host_target else f" on its own "
-                                                                      f"target {path}, the one it is served with"))
+                notes.append(f"{folder}: {recipe.spec.name}, measured" + (
+                    "" if target is host_target else f" on its own target {path}, the one it is served with"))
             except (FileNotFoundError, ValueError, KeyError) as e:  # KeyError: a key this version no longer has
                 if policy == "fail":
                     raise ValueError(f"eval.peer_runs: {folder} cannot be measured beside this run ({e}); fix it, "

@@ -37,7 +37,7 @@ READINGS = {"aux_hidden_state_layers": (r"extract_layers = \[([-\d, ]*)\]",),
             "mask_token_id": (r"mask_token_id=(-?\d+)",),
             "num_speculative_tokens": (r"clamping to (\d+)", r"- n_max=(\d+)")}
 """What llama-server says it read of a drafter GGUF (the first pattern its log matches), by the names of the vLLM
-preflight's readings (:meth:`~draftheads.drafters.contract.Recipe.served_reads`): the target layers it extracts
+preflight's readings (:meth:`~draftheads.drafters.contract.Serving.served_reads`): the target layers it extracts
 (``src/models/eagle3.cpp:12``, ``src/models/dflash.cpp:50``: the input of decoder layer i), DFlash's mask token
 (``common/speculative.cpp:1070``) and the draft length (:1069, or the block's where it clamps a longer one, :1077;
 EAGLE-3's at :550), from its log at verbosity 4."""

@@ -4,14 +4,14 @@ The source is a finished run's folder (its saved drafter, read as the run's own 
 export folder in a format draftheads writes (``export/`` of a run: vLLM/SGLang EAGLE-3, z-lab-style DFlash,
 DSpark's, Medusa's vLLM and TGI layouts, or draftheads' ``medusa_heads``), read by the drafter's strict loader.
 
-- Checked when the job opens (:meth:`~draftheads.drafters.contract.Recipe.check`), before any row is regenerated
+- Checked when the job opens (:meth:`~draftheads.drafters.contract.Training.check`), before any row is regenerated
   or any target state computed: a source made for a target of other sizes (hidden size, vocabulary, decoder
   layers), reading other target layers, or of another depth, head count or draft vocabulary is refused with a
   ``ValueError`` naming the key, the file and both values (:func:`check_source`).
 - Training builds its drafter as it always does (the global RNG is drawn as in a run from scratch, so the data
   order is the same) and copies the source's tensors into it (:func:`load_source`). A drafter may start from a
   drafter it extends (DSpark from DFlash: ``Recipe.bases``); tensors the source lacks under the prefixes the
-  drafter lets start fresh (``Recipe.fresh``: DSpark's Markov and confidence heads) keep their fresh
+  drafter lets start fresh (``DrafterSpec.fresh``: DSpark's Markov and confidence heads) keep their fresh
   initialisation, and the source's tensors under them that the drafter does not hold are dropped (Medusa's
   per-head LM heads of a vLLM export into heads that share the target's). Every other tensor must be there,
   of the same shape.
@@ -53,8 +53,8 @@ class Source:
 
 
 def init_path(recipe, conf) -> Path | None:
-    """``<recipe.name>.init_from`` as a path, or None: start from random weights (the default)."""
-    value = getattr(conf, recipe.name).init_from
+    """``<name>.init_from`` as a path, or None: start from random weights (the default)."""
+    value = getattr(conf, recipe.spec.name).init_from
     return None if value in (None, "") else Path(value)
 
 
@@ -65,13 +65,13 @@ def applies(recipe, conf) -> bool:
 
 
 def check_init_path(recipe, conf) -> None:
-    """The checks of ``<recipe.name>.init_from`` that need no target, when the job opens (before the accelerator,
+    """The checks of ``<name>.init_from`` that need no target, when the job opens (before the accelerator,
     the target or any deletion): the folder is there, and it is not inside ``output_dir``, which this run claims
     (``overwrite=true`` would delete the source before it is read; a warm start writes a new run). Raises
     ``FileNotFoundError`` / ``ValueError`` naming the key and the next command."""
     if not applies(recipe, conf):
         return
-    key, path = f"{recipe.name}.init_from", init_path(recipe, conf)
+    key, path = f"{recipe.spec.name}.init_from", init_path(recipe, conf)
     if not path.exists():
         raise FileNotFoundError(_missing(recipe, key, path))
     out = Path(conf.output_dir)
@@ -84,14 +84,14 @@ def check_init_path(recipe, conf) -> None:
 def _missing(recipe, key: str, path: Path) -> str:
     """What to say of an ``init_from`` that is not there: the job that writes it (a base drafter's, by its
     default output_dir), or how to start from random weights."""
-    makers = " or ".join(f"train/{r.name}.py" for r in (recipe, *recipe.bases) if Path(path).name == r.name)
+    makers = " or ".join(f"train/{r.spec.name}.py" for r in (recipe, *recipe.bases) if Path(path).name == r.spec.name)
     first = (f"run {makers} first (it writes {path}), or " if makers
              else "give a finished run's or an export folder, or ")
     return f"{key}={path}: no such folder: {first}set {key}=null to train from random weights"
 
 
 def read_source(recipe, conf, target) -> Source:
-    """The drafter ``<recipe.name>.init_from`` names, read for ``target`` by the loader of the drafter that saved
+    """The drafter ``<name>.init_from`` names, read for ``target`` by the loader of the drafter that saved
     it: the recipe's own or one of its ``bases``. A run folder says its drafter (its ``config.yaml``) and must have
     finished its save (its ledger, ``progress.json``); an export folder is read by each candidate's loader in
     turn. Reading draws nothing from the global RNG (a loader builds its module before loading into it), so a
@@ -106,15 +106,15 @@ def read_source(recipe, conf, target) -> Source:
 
 
 def _read_source(recipe, conf, target) -> Source:
-    key, path = f"{recipe.name}.init_from", init_path(recipe, conf)
-    candidates = {r.name: r for r in (recipe, *recipe.bases)}
+    key, path = f"{recipe.spec.name}.init_from", init_path(recipe, conf)
+    candidates = {r.spec.name: r for r in (recipe, *recipe.bases)}
     if not path.exists():
         raise FileNotFoundError(_missing(recipe, key, path))
     if is_run(path):
         name = recorded(path, "drafter")
         if name not in candidates:
-            raise ValueError(f"{key}={path}: a run of drafter {name!r}; {recipe.name} starts from runs or exports of "
-                             f"{sorted(candidates)}")
+            raise ValueError(f"{key}={path}: a run of drafter {name!r}; {recipe.spec.name} starts from runs or "
+                             f"exports of {sorted(candidates)}")
         check_saved(path, f"{key}={path}", "resume the source run first")
         try:
             return Source(path, name, "run", candidates[name].read_saved(path, target), key)
@@ -128,7 +128,7 @@ def _read_source(recipe, conf, target) -> Source:
             errors.append(f"read as {name}: {e}")
             kinds.add(type(e))
     error = FileNotFoundError if kinds == {FileNotFoundError} else ValueError
-    raise error(f"{key}={path}: not a run folder (no {CONFIG}) nor an export {recipe.name} starts from "
+    raise error(f"{key}={path}: not a run folder (no {CONFIG}) nor an export {recipe.spec.name} starts from "
                 f"({'; '.join(errors)})")
 
 

@@ -44,7 +44,7 @@ def main() -> None:
     served = [json.loads((r / "llamacpp_parity.json").read_text()) for r in args.runs]
     target = args.target_gguf or Path(served[0]["target_gguf"])
     tokenizer = AutoTokenizer.from_pretrained(served[0]["target"])
-    conf = run_config(args.runs[0], drafters.of_run(args.runs[0]))
+    conf = run_config(args.runs[0], drafters.of_run(args.runs[0]).spec)
     sets = load_eval_sets(replace(conf.eval, enabled=True), tokenizer)
     prompts = [target_prompt_ids(tokenizer, p) for p in next(iter(sets.values()))]
     prompts = prompts[:args.prompts]

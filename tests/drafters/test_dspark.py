@@ -629,7 +629,7 @@ def test_gated_and_recurrent_exports_round_trip_and_are_refused_for_vllm(tiny, t
     with pytest.raises(ValueError, match=f"markov_head_type '{kind}'.*not served by vLLM.*qwen3_dspark.py"):
         DSPARK.vllm_config(tmp_path, None, Trained(loaded))
     assert DSPARK.serving_variant(None, Trained(loaded)) == OTHER_HEADS
-    row = DSPARK.served("export/dspark", OTHER_HEADS)
+    row = DSPARK.spec.served("export/dspark", OTHER_HEADS)
     assert not row.served_today() and not any(cell.loads for cell in row.cells.values())
     vanilla = _head(model, tok, "vanilla")
     assert DSPARK.serving_variant(None, Trained(vanilla)) == ""

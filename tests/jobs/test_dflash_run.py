@@ -106,7 +106,7 @@ def test_peer_runs_that_do_not_fit_fail_the_evaluation_or_are_skipped_when_asked
     model, _ = tiny
     record, host = json.loads((medusa_run / "target.json").read_text()), load_target(TargetSpec(TINY), cache_dir)[2]
     peers, notes = load_peer_runs([str(medusa_run)], record, host, model)
-    assert [p.recipe.name for p in peers] == ["medusa"] and notes == [f"{medusa_run}: medusa, measured"]
+    assert [p.recipe.spec.name for p in peers] == ["medusa"] and notes == [f"{medusa_run}: medusa, measured"]
     assert peers[0].trained.saved["head_rank_accuracy"] and peers[0].target is model  # its tree's accuracies
     other_weights = {**record, "weights_sample_sha256": "0" * 64}
     for other in ({**record, "hidden_size": 32}, other_weights):

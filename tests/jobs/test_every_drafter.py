@@ -39,9 +39,10 @@ def test_a_bfloat16_target_trains_validates_and_exports_in_its_dtype(job, tmp_pa
     recipe = drafters.get(job)  # its methods' names are the ones it declares (what eval.peers is checked against)
     chitchat = report["eval"]["chitchat"]
     own = [n for n in [chitchat["method"], *chitchat.get("peers", {})] if n != "prompt_lookup"]
-    assert own and all(any(re.fullmatch(p, n) for p in recipe.methods) for n in own), (own, recipe.methods)
+    assert own and all(any(re.fullmatch(p, n) for p in recipe.spec.methods) for n in own), (own, recipe.spec.methods)
     # what it saves beside its exports and the export vLLM loads: weights in one dtype
-    for folder in [*recipe.saved_entries, recipe.vllm_weights]:  # (EAGLE-3's d2t/t2d vocabulary maps: int64, bool)
+    # (EAGLE-3's d2t/t2d vocabulary maps: int64, bool)
+    for folder in [*recipe.spec.saved_entries, recipe.spec.vllm_weights]:
         files = list((tmp_path / folder).glob("*.safetensors"))
         dtypes = {t.dtype for f in files for t in load_file(str(f)).values() if t.is_floating_point()}
         assert files and dtypes == {torch.bfloat16}, (folder, dtypes)

@@ -50,7 +50,7 @@ def test_a_new_run_removes_a_report_a_failed_start_left(tmp_path):
 @pytest.mark.parametrize("report", [None, {"drafter": "medusa", "finished": []}, {"edited": True}])
 def test_a_finished_run_whose_report_is_deleted_or_edited_still_counts_as_finished(report, tmp_path):
     out = folder(tmp_path, ALL, report)
-    check_finished(out, drafters.get("medusa"))
+    check_finished(out, drafters.get("medusa").spec)
     check_saved(out, "medusa.init_from", "resume it")
     assert run_marks(out) and finished_steps(out) == ALL
     with pytest.raises(FileExistsError, match="holds a training run"):
@@ -60,7 +60,7 @@ def test_a_finished_run_whose_report_is_deleted_or_edited_still_counts_as_finish
 def test_a_run_whose_ledger_says_unfinished_is_not_finished_whatever_its_report_says(tmp_path):
     out = folder(tmp_path, ["training", "validation"], {"drafter": "medusa", "finished": ALL})
     with pytest.raises(FileNotFoundError, match=r"progress.json: the run has not finished its save"):
-        check_finished(out, drafters.get("medusa"))
+        check_finished(out, drafters.get("medusa").spec)
     with pytest.raises(FileNotFoundError, match="has not finished its save"):
         check_saved(out, "medusa.init_from", "resume it")
     started = folder(tmp_path / "b", [], {"drafter": "medusa", "finished": ALL})  # failed before training
@@ -74,10 +74,10 @@ def test_a_folder_of_an_older_version_without_a_ledger_is_read_by_its_report(rep
     """An older version kept the steps in ``report.json`` (one without ``finished`` wrote it after the save)."""
     out = folder(tmp_path, None, report)
     if finished:
-        check_finished(out, drafters.get("medusa"))
+        check_finished(out, drafters.get("medusa").spec)
     else:
         with pytest.raises(FileNotFoundError):
-            check_finished(out, drafters.get("medusa"))
+            check_finished(out, drafters.get("medusa").spec)
     assert bool(run_marks(out)) == (report is not None and report != {"finished": []})
 
 

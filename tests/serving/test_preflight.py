@@ -89,11 +89,11 @@ def test_every_drafter_with_a_preflight_expects_readings_the_engine_reports(name
     trained = recipe.untrained(job, tmp_path)
     after = torch.rand(1)
     if trained is None:  # no preflight (Medusa): nothing written
-        assert not (tmp_path / recipe.vllm_weights).exists()
+        assert not (tmp_path / recipe.spec.vllm_weights).exists()
         return
     torch.manual_seed(0)
     assert torch.equal(after, torch.rand(1))
-    assert (tmp_path / recipe.vllm_weights / "config.json").is_file()
+    assert (tmp_path / recipe.spec.vllm_weights / "config.json").is_file()
     expected = recipe.served_reads(conf, trained, target)
     assert set(expected) <= ENGINE_READS and {"method", "num_speculative_tokens", "aux_hidden_state_layers"} <= set(
         expected)

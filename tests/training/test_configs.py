@@ -16,7 +16,7 @@ CONF = ROOT / "conf"
 register_configs()
 
 
-JOBS = {name: get(name).schema for name in DRAFTERS}
+JOBS = {name: get(name).spec.schema for name in DRAFTERS}
 
 
 def _compose(*overrides, job="medusa"):

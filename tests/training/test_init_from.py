@@ -33,7 +33,7 @@ def short(job: str) -> tuple[str, ...]:
 def saved_tensors(run: Path, recipe) -> dict[str, torch.Tensor]:
     """Every tensor a run saved of its drafter (its own save and the export vLLM loads), by ``folder/name``."""
     tensors = {}
-    for folder in (*recipe.saved_entries, recipe.vllm_weights):
+    for folder in (*recipe.spec.saved_entries, recipe.spec.vllm_weights):
         for f in sorted((run / folder).glob("*.safetensors")):
             tensors |= {f"{folder}/{k}": v for k, v in load_file(str(f)).items()}
     return tensors
@@ -65,7 +65,8 @@ def test_init_from_is_declared_once_for_every_drafter(job):
     assert isinstance(section, DrafterConfig) and section.init_from is None
     owners = [c for c in type(section).__mro__ if "init_from" in vars(c).get("__annotations__", {})]
     assert owners == [DrafterConfig], owners
-    assert getattr(to_schema(smoke(job, "out", "cache", f"{job}.init_from=runs/x")), recipe.name).init_from == "runs/x"
+    conf = to_schema(smoke(job, "out", "cache", f"{job}.init_from=runs/x"))
+    assert getattr(conf, recipe.spec.name).init_from == "runs/x"
 
 
 class Drafter(torch.nn.Module):
@@ -103,7 +104,7 @@ def test_a_warm_start_begins_where_its_source_ended(job, kind, sources, tmp_path
     """From a finished run (its saved drafter) or from the export vLLM loads: the warm-started run's weights are
     the source's (its steps move nothing), so its held-out loss is the source's; the report says what was loaded."""
     recipe, src = drafters.get(job), sources(job)
-    path = src if kind == "run" else src / recipe.vllm_weights
+    path = src if kind == "run" else src / recipe.spec.vllm_weights
     got = train(job, smoke(job, tmp_path, cache_dir, *short_settings(job), *STILL, f"{job}.init_from={path}"))
     init, mine = got["init_from"], saved_tensors(tmp_path, recipe)
     theirs = saved_tensors(src, recipe)
@@ -114,7 +115,7 @@ def test_a_warm_start_begins_where_its_source_ended(job, kind, sources, tmp_path
     dropped = [f"lm_heads.{i}.weight" for i in range(4)] if job == "medusa" and kind == "export" else []
     assert init["dropped"] == dropped  # vLLM's Medusa layout holds per-head LM heads; this config shares the target's
     assert init["loaded"] == len(load_file(str(next((path if kind == "export" else path / (
-        recipe.saved_entries or [recipe.vllm_weights])[0]).glob("*.safetensors"))))) - len(dropped)
+        recipe.spec.saved_entries or [recipe.spec.vllm_weights])[0]).glob("*.safetensors"))))) - len(dropped)
     source_val = report(src)["validation"]
     for name, value in got["validation"].items():
         assert value == pytest.approx(source_val[name], abs=1e-4), name

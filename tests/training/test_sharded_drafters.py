@@ -33,7 +33,7 @@ def ddp_feature_runs(tmp_path_factory, cache_dir):
         if (job, target_states) not in runs:
             out = tmp_path_factory.mktemp(f"ddp_{job}_{target_states}")
             report = launch(job, out, cache_dir, *feature_overrides(job), f"data.target_states={target_states}")
-            runs[job, target_states] = report, weights(out / drafters.get(job).vllm_weights)
+            runs[job, target_states] = report, weights(out / drafters.get(job).spec.vllm_weights)
         return runs[job, target_states]
     return run
 
@@ -61,5 +61,5 @@ def test_sharded_feature_drafters_train_what_ddp_trains(job, engine, target_stat
     # AdamW's eps (both low-rank factors start at N(0, 0.02)), where such differences change the step: under ZeRO-3
     # 1-3 entries differ after 1-3 steps (< 7e-6), 3.1e-3 in 22 rows of markov_w1 after 3 epochs (FSDP equal to DDP
     # exactly; the curves agree to 1.5e-6): markov_w1 alone is held to 5e-3
-    assert_same_weights(weights(tmp_path / engine / recipe.vllm_weights), ref_weights, 5e-5, {"markov_w1": 5e-3})
+    assert_same_weights(weights(tmp_path / engine / recipe.spec.vllm_weights), ref_weights, 5e-5, {"markov_w1": 5e-3})
     assert all(greedy_lossless(m) for m in report["eval"].values())

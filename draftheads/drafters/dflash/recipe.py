@@ -6,7 +6,6 @@ greedy only)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.contract import FeatureRecipe, Trained
@@ -21,17 +20,15 @@ from draftheads.drafters.dflash.model import (
 )
 from draftheads.drafters.dflash.serving import SERVING
 from draftheads.drafters.dflash.training import DFlashTraining
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.serving.preflight import Expect
 
 
 class DFlash(FeatureRecipe):
     """The DFlash recipe (see :class:`draftheads.drafters.contract.FeatureRecipe`)."""
-    name = "dflash"
-    schema = DFlashRunConfig
-    serving = SERVING
-    methods = ("dflash", r"dflash_denoise\d+")
-    llamacpp_spec = "draft-dflash"
+    spec = DrafterSpec("dflash", DFlashRunConfig, ("dflash", r"dflash_denoise\d+"), serving=SERVING,
+                       llamacpp_spec="draft-dflash")
 
     def default_layers(self, conf: DFlashRunConfig, target) -> list[int]:
         """K = ``<name>.num_target_features`` layers spaced from 1 to L-3, as the paper's (every drafter on DFlash's
@@ -60,11 +57,22 @@ class DFlash(FeatureRecipe):
     def build(self, conf: DFlashRunConfig, target, tokenizer, rows: list[dict]) -> DFlashDraftModel:
         """A fresh drafter for ``target`` from ``conf.dflash`` (layer ids and mask token resolved)."""
         d = conf.dflash
-        mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
-        layers = list(self.drafter_layers(conf, target))
-        drafter = DFlashDraftModel.for_target(target, d.num_layers, d.block_size, layers, mask)
-        if d.attention != "auto":
-            drafter.attention = d.attention.value
+        return self.with_attention(conf, DFlashDraftModel.for_target(
+            target, d.num_layers, d.block_size, list(self.drafter_layers(conf, target)),
+            self.mask_token(conf, tokenizer, target)))
+
+    def mask_token(self, conf, tokenizer, target) -> int:
+        """The token of a block's draft positions: ``<name>.mask_token_id``, else the tokenizer's
+        (:func:`~draftheads.drafters.dflash.model.choose_mask_token`; its ``ValueError`` names this drafter's key)."""
+        try:
+            return choose_mask_token(tokenizer, target.config.vocab_size, self.settings(conf).mask_token_id)
+        except ValueError as error:  # DFlash's rule, this drafter's key
+            raise ValueError(str(error).replace("dflash.mask_token_id", f"{self.spec.name}.mask_token_id")) from None
+
+    def with_attention(self, conf, drafter):
+        """``drafter`` with ``<name>.attention`` set unless it is ``auto`` (the module's own choice)."""
+        if self.settings(conf).attention != "auto":
+            drafter.attention = self.settings(conf).attention.value
         return drafter
 
     def describe(self, conf: DFlashRunConfig, drafter: DFlashDraftModel) -> str:
@@ -74,16 +82,12 @@ class DFlash(FeatureRecipe):
     def training(self, conf: DFlashRunConfig, drafter: DFlashDraftModel, target, online: bool) -> DFlashTraining:
         return DFlashTraining(drafter, target, conf.dflash.max_anchors, self.objective(conf), online=online)
 
-    def write_export(self, drafter: DFlashDraftModel, folder: Path) -> Path:
-        return export_dflash(drafter, folder)
-
-    def read_export(self, folder: Path, target) -> DFlashDraftModel:
-        return load_dflash(folder, target)
+    write_export, read_export = staticmethod(export_dflash), staticmethod(load_dflash)
 
     def init_fields(self, conf: DFlashRunConfig, target, model: DFlashDraftModel) -> dict[str, tuple]:
         """The target layers and the draft depth (``<name>.num_layers``); the block size shapes no tensor."""
         return super().init_fields(conf, target, model) | {
-            f"{self.name}.num_layers": (len(model.layers), self.settings(conf).num_layers)}
+            f"{self.spec.name}.num_layers": (len(model.layers), self.settings(conf).num_layers)}
 
     def drafter_config(self, conf: DFlashRunConfig, drafter: DFlashDraftModel) -> dict:
         return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),

@@ -5,35 +5,31 @@ measured drafting one block per pass with the selector's walk, as vLLM drafts (`
 
 from __future__ import annotations
 
-from pathlib import Path
 
 from draftheads.drafters.contract import Trained
-from draftheads.drafters.dflash.model import choose_mask_token
 from draftheads.drafters.dflash.recipe import DFLASH, DFlash
 from draftheads.drafters.dflash2.config import DFlash2RunConfig
 from draftheads.drafters.dflash2.export import export_dflash2, load_dflash2
 from draftheads.drafters.dflash2.model import DFlash2Drafter, DFlash2DraftModel
 from draftheads.drafters.dflash2.serving import SERVING
 from draftheads.drafters.dflash2.training import DFlash2Training
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.models.speculative import Sampling
 from draftheads.training.objectives import loss_mix
+
 
 class DFlash2(DFlash):
     """The DFlash 2 recipe: DFlash's (:class:`~draftheads.drafters.dflash.recipe.DFlash`: which rows it can train
     on, how it trains, saves and reloads), its own settings (``dflash2``), drafter, export and decoding."""
-    name = "dflash2"
-    schema = DFlash2RunConfig
-    serving = SERVING
+    spec = DrafterSpec("dflash2", DFlash2RunConfig, ("dflash2",), serving=SERVING, llamacpp_spec="draft-dflash",
+                       vllm_method="dflash",
+                       fresh=("layers.*.attention_conv.*", "layers.*.mlp_conv.*", "candidate_selector.*"))
+    """``vllm_method``: DFlash's runtime, the export's architecture (``DFlash2DraftModel``) choosing the speculator
+    (``v1/worker/gpu/spec_decode/__init__.py:34``; speculators' ``update_dflash2``). ``fresh``: what DFlash has not,
+    the convolutions (at the identity, so the warm start drafts as its DFlash) and the selector."""
     bases = (DFLASH,)
     """A DFlash run or export warm-starts its DFlash part (``dflash2.init_from=runs/dflash``), as speculators
     starts DFlash 2."""
-    fresh = ("layers.*.attention_conv.*", "layers.*.mlp_conv.*", "candidate_selector.*")
-    """What DFlash has not: the convolutions (at the identity, so the warm start drafts as its DFlash) and the
-    selector start fresh."""
-    methods = ("dflash2",)
-    vllm_method = "dflash"
-    """DFlash's runtime: the export's architecture (``DFlash2DraftModel``) chooses the speculator
-    (``v1/worker/gpu/spec_decode/__init__.py:34``; speculators' ``update_dflash2``)."""
 
     def llamacpp_unread(self, conf: DFlash2RunConfig, trained: Trained, target) -> list[str]:
         """DFlash's (:meth:`~draftheads.drafters.contract.FeatureRecipe.llamacpp_unread`), and a selector whose top-k
@@ -64,16 +60,10 @@ class DFlash2(DFlash):
     def build(self, conf: DFlash2RunConfig, target, tokenizer, rows: list[dict]) -> DFlash2DraftModel:
         """A fresh drafter for ``target`` from ``conf.dflash2`` (layer ids and mask token resolved)."""
         d = conf.dflash2
-        try:
-            mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
-        except ValueError as error:  # DFlash's rule, DFlash 2's key
-            raise ValueError(str(error).replace("dflash.mask_token_id", "dflash2.mask_token_id")) from None
-        drafter = DFlash2DraftModel.for_target(target, d.num_layers, d.block_size,
-                                               list(self.drafter_layers(conf, target)), mask, d.conv_kernel_size,
-                                               d.conv_group_size, d.selector_rank, d.selector_top_k)
-        if d.attention != "auto":
-            drafter.attention = d.attention.value
-        return drafter
+        return self.with_attention(conf, DFlash2DraftModel.for_target(
+            target, d.num_layers, d.block_size, list(self.drafter_layers(conf, target)),
+            self.mask_token(conf, tokenizer, target), d.conv_kernel_size, d.conv_group_size, d.selector_rank,
+            d.selector_top_k))
 
     def describe(self, conf: DFlash2RunConfig, drafter: DFlash2DraftModel) -> str:
         d = drafter.config.dflash_config
@@ -86,20 +76,14 @@ class DFlash2(DFlash):
         return DFlash2Training(drafter, target, conf.dflash2.max_anchors, self.objective(conf),
                                conf.dflash2.selector_weight, online=online)
 
-    def write_export(self, drafter: DFlash2DraftModel, folder: Path) -> Path:
-        return export_dflash2(drafter, folder)
-
-    def read_export(self, folder: Path, target) -> DFlash2DraftModel:
-        return load_dflash2(folder, target)
+    write_export, read_export = staticmethod(export_dflash2), staticmethod(load_dflash2)
 
     def drafter_config(self, conf: DFlash2RunConfig, drafter: DFlash2DraftModel) -> dict:
-        objective = self.objective(conf)
-        return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),
-                "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
-                **{key: drafter.config.dflash_config[key] for key in ("conv_kernel_size", "conv_group_size",
-                                                                     "selector_rank", "selector_top_k")},
-                "loss": loss_mix(objective.loss, "dflash2.loss"), "selector_weight": conf.dflash2.selector_weight,
-                "position_decay": objective.position_decay}
+        return super().drafter_config(conf, drafter) | {
+            key: drafter.config.dflash_config[key]
+            for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")} | {
+            "loss": loss_mix(self.objective(conf).loss, "dflash2.loss"),
+            "selector_weight": conf.dflash2.selector_weight}
 
     def chain(self, conf, trained: Trained, target) -> DFlash2Drafter:
         return DFlash2Drafter(trained.model)

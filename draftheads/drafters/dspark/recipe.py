@@ -12,7 +12,6 @@ from pathlib import Path
 
 from draftheads.data.templates import stop_token_ids
 from draftheads.drafters.contract import Trained
-from draftheads.drafters.dflash.model import choose_mask_token
 from draftheads.drafters.dflash.recipe import DFLASH, DFlash
 from draftheads.drafters.dspark.adaptive import AdaptiveDSparkDrafter
 from draftheads.drafters.dspark.config import DSparkConfig, DSparkRunConfig
@@ -20,6 +19,7 @@ from draftheads.drafters.dspark.export import export_dspark, load_dspark
 from draftheads.drafters.dspark.model import DSparkDrafter, DSparkDraftModel
 from draftheads.drafters.dspark.serving import OTHER_HEADS, SERVING
 from draftheads.drafters.dspark.training import DSparkTraining, reads_target
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.models.speculative import Sampling, speculative_decode
 from draftheads.training.objectives import loss_mix
 
@@ -30,16 +30,12 @@ DEEPSPEC_DECAY = math.exp(-1 / 4)
 class DSpark(DFlash):
     """The DSpark recipe: DFlash's (:class:`~draftheads.drafters.dflash.recipe.DFlash`: which rows it can train
     on, how it trains, saves and reloads), its own settings (``dspark``), drafter, export and decoding."""
-    name = "dspark"
-    schema = DSparkRunConfig
-    serving = SERVING
-    llamacpp_spec = "draft-dspark"
+    spec = DrafterSpec("dspark", DSparkRunConfig, ("dspark", "dspark_adaptive"), serving=SERVING,
+                       llamacpp_spec="draft-dspark", fresh=("markov_head.*", "confidence_head.*"))
+    """``fresh``: the heads DFlash has not, fresh when the source lacks them (a DFlash drafter, or a DSpark one
+    without a confidence head)."""
     bases = (DFLASH,)
     """A DFlash run or export warm-starts its DFlash part (``dspark.init_from=runs/dflash``)."""
-    fresh = ("markov_head.*", "confidence_head.*")
-    """The heads DFlash has not: fresh when the source lacks them (a DFlash drafter, or a DSpark one without a
-    confidence head)."""
-    methods = ("dspark", "dspark_adaptive")
 
     def check_settings(self, conf: DSparkRunConfig, target) -> None:
         """A block of at least two positions (the DFlash backbone's), a Markov rank of at least 1, a confidence
@@ -69,17 +65,10 @@ class DSpark(DFlash):
     def build(self, conf: DSparkRunConfig, target, tokenizer, rows: list[dict]) -> DSparkDraftModel:
         """A fresh drafter for ``target`` from ``conf.dspark`` (layer ids and noise token resolved)."""
         d = conf.dspark
-        try:
-            mask = choose_mask_token(tokenizer, target.config.vocab_size, d.mask_token_id)
-        except ValueError as error:  # DFlash's rule, DSpark's key
-            raise ValueError(str(error).replace("dflash.mask_token_id", "dspark.mask_token_id")) from None
-        drafter = DSparkDraftModel.for_target(target, d.num_layers, d.block_size,
-                                              list(self.drafter_layers(conf, target)), mask, d.markov_rank,
-                                              d.confidence_weight > 0, d.confidence_with_markov,
-                                              d.markov_head.head_type)
-        if d.attention != "auto":
-            drafter.attention = d.attention.value
-        return drafter
+        return self.with_attention(conf, DSparkDraftModel.for_target(
+            target, d.num_layers, d.block_size, list(self.drafter_layers(conf, target)),
+            self.mask_token(conf, tokenizer, target), d.markov_rank, d.confidence_weight > 0, d.confidence_with_markov,
+            d.markov_head.head_type))
 
     def describe(self, conf: DSparkRunConfig, drafter: DSparkDraftModel) -> str:
         confidence = "a confidence head" if drafter.confidence_head is not None else "no confidence head"
@@ -91,20 +80,14 @@ class DSpark(DFlash):
         d = conf.dspark
         return DSparkTraining(drafter, target, d.max_anchors, self.objective(conf), d.confidence_weight, online)
 
-    def write_export(self, drafter: DSparkDraftModel, folder: Path) -> Path:
-        return export_dspark(drafter, folder)
-
-    def read_export(self, folder: Path, target) -> DSparkDraftModel:
-        return load_dspark(folder, target)
+    write_export, read_export = staticmethod(export_dspark), staticmethod(load_dspark)
 
     def drafter_config(self, conf: DSparkRunConfig, drafter: DSparkDraftModel) -> dict:
-        objective = self.objective(conf)
-        return {"block_size": drafter.block_size, "num_layers": len(drafter.layers),
-                "target_layer_ids": list(drafter.target_layer_ids), "mask_token_id": drafter.mask_token_id,
-                "markov_rank": drafter.config.markov_rank, "markov_head_type": drafter.config.markov_head_type,
-                "confidence_head": drafter.confidence_head is not None,
-                "loss": loss_mix(objective.loss, "dspark.loss"), "confidence_weight": conf.dspark.confidence_weight,
-                "position_decay": objective.position_decay}
+        return super().drafter_config(conf, drafter) | {
+            "markov_rank": drafter.config.markov_rank, "markov_head_type": drafter.config.markov_head_type,
+            "confidence_head": drafter.confidence_head is not None,
+            "loss": loss_mix(self.objective(conf).loss, "dspark.loss"),
+            "confidence_weight": conf.dspark.confidence_weight}
 
     def chain(self, conf, trained: Trained, target) -> DSparkDrafter:
         return DSparkDrafter(trained.model)
@@ -128,11 +111,11 @@ class DSpark(DFlash):
         refuses the other heads' tensors, ``model_executor/models/utils.py:443-448``), before any engine starts."""
         kind = trained.model.config.markov_head_type
         if kind != "vanilla":
-            raise ValueError(f"{Path(run_dir) / self.vllm_weights}: markov_head_type {kind!r} (dspark.markov_head) is "
-                             f"not served by vLLM: its Qwen3DSparkModel builds only the vanilla Markov head "
-                             f"(qwen3_dspark.py:209-217) and refuses the {kind} head's tensors; measure it with "
-                             f"draftheads' own evaluator (train/evaluate.py), or train dspark.markov_head=vanilla "
-                             f"to serve it")
+            raise ValueError(f"{Path(run_dir) / self.spec.vllm_weights}: markov_head_type {kind!r} "
+                             f"(dspark.markov_head) is not served by vLLM: its Qwen3DSparkModel builds only the "
+                             f"vanilla Markov head (qwen3_dspark.py:209-217) and refuses the {kind} head's tensors; "
+                             f"measure it with draftheads' own evaluator (train/evaluate.py), or train "
+                             f"dspark.markov_head=vanilla to serve it")
         return super().vllm_config(run_dir, conf, trained)
 
     def untrained(self, job, run_dir: Path) -> Trained | None:

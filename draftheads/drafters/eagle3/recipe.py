@@ -21,16 +21,13 @@ from draftheads.drafters.eagle3.model import (
 )
 from draftheads.drafters.eagle3.serving import FLAGS, LLAMACPP_UNREAD, RESIDUAL, SERVING
 from draftheads.drafters.eagle3.training import Eagle3Training
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.serving.preflight import Expect
 
 
 class Eagle3(FeatureRecipe):
     """The EAGLE-3 recipe (see :class:`draftheads.drafters.contract.FeatureRecipe`)."""
-    name = "eagle3"
-    schema = Eagle3RunConfig
-    serving = SERVING
-    methods = ("eagle3",)
-    llamacpp_spec = "draft-eagle3"
+    spec = DrafterSpec("eagle3", Eagle3RunConfig, ("eagle3",), serving=SERVING, llamacpp_spec="draft-eagle3")
 
     def default_layers(self, conf: Eagle3RunConfig, target) -> list[int]:
         """:func:`default_layer_ids`: low, middle and high, as the servers default to."""
@@ -74,8 +71,7 @@ class Eagle3(FeatureRecipe):
                   f"export names them as vLLM reads them; SGLang reads those ids one layer later", flush=True)
         return path
 
-    def read_export(self, folder: Path, target) -> Eagle3DraftModel:
-        return load_eagle3(folder, target)
+    read_export = staticmethod(load_eagle3)
 
     def init_fields(self, conf: Eagle3RunConfig, target, model: Eagle3DraftModel) -> dict[str, tuple]:
         """The target layers, the draft vocabulary's size (the source's vocabulary is loaded with its LM head) and

@@ -24,6 +24,7 @@ from draftheads.drafters.medusa.heads import MedusaDrafter, MedusaHeads
 from draftheads.drafters.medusa.serving import SERVING
 from draftheads.drafters.medusa.training import MedusaStage1, MedusaStage2, check_unfreeze, split_states, stage2_layers
 from draftheads.drafters.medusa.validation import validate
+from draftheads.drafters.spec import DrafterSpec
 from draftheads.models.partial import hold_layers, is_partial, save_partial
 from draftheads.models.speculative import Sampling
 from draftheads.models.target import TargetSpec
@@ -39,16 +40,11 @@ TGI_EXPORT = "export/tgi"
 
 class Medusa(Recipe):
     """The Medusa recipe (see :class:`draftheads.drafters.contract.Recipe`)."""
-    name = "medusa"
-    schema = MedusaRunConfig
-    stages = ("stage1", "stage2")
-    vllm_weights = "export/vllm"
-    saved_entries = ("medusa_heads",)
-    serving = SERVING
-    fresh = ("lm_heads.*",)
-    """Per-head LM heads: a vLLM export always holds them (dropped when the config shares the target's LM head);
-    heads saved sharing it leave per-head ones initialised from the target's."""
-    methods = ("medusa_chain", "medusa_tree", "medusa_tree_typical")
+    spec = DrafterSpec("medusa", MedusaRunConfig, ("medusa_chain", "medusa_tree", "medusa_tree_typical"),
+                       stages=("stage1", "stage2"), vllm_weights="export/vllm", saved_entries=("medusa_heads",),
+                       serving=SERVING, fresh=("lm_heads.*",))
+    """``fresh``: per-head LM heads: a vLLM export always holds them (dropped when the config shares the target's
+    LM head); heads saved sharing it leave per-head ones initialised from the target's."""
 
     def check(self, conf: MedusaRunConfig, target) -> None:
         """The objective's keys, stage 2's unfrozen layers exist; the states are computed once (stage 1 reads them
@@ -143,7 +139,7 @@ class Medusa(Recipe):
         :func:`~draftheads.drafters.medusa.export.export_tgi_medusa`). Heads saved by earlier versions keep the
         absolute path they name."""
         lm_head = target.get_output_embeddings().weight
-        vllm = export_vllm_medusa(trained.model, lm_head, Path(run_dir) / self.vllm_weights)
+        vllm = export_vllm_medusa(trained.model, lm_head, Path(run_dir) / self.spec.vllm_weights)
         tgi = export_tgi_medusa(trained.model, lm_head, Path(run_dir) / TGI_EXPORT, _served_base(trained.saved))
         return {"vllm": str(vllm), "tgi": str(tgi)}
 

@@ -1,0 +1,66 @@
+"""The drafter contract: each drafter's declaration (``DrafterSpec``) and the behaviours its recipe must define."""
+
+import dataclasses
+import re
+
+import pytest
+
+from draftheads import drafters
+from draftheads.drafters.contract import FeatureRecipe, Recipe
+from draftheads.drafters.spec import DrafterSpec
+from draftheads.serving.matrix import Served
+
+
+class _Schema:
+    """Stands in for a RunConfig: the spec only holds it."""
+
+
+def test_a_spec_fills_the_defaults_of_a_drafter_on_target_layers_and_keeps_what_it_is_given():
+    spec = DrafterSpec("mine", _Schema, ("mine",))
+    assert (spec.stages, spec.vllm_weights, spec.vllm_method) == (("mine",), "export/mine", "mine")
+    given = DrafterSpec("mine", _Schema, ("mine",), stages=("a", "b"), vllm_weights="export/vllm", vllm_method="x")
+    assert (given.stages, given.vllm_weights, given.vllm_method) == (("a", "b"), "export/vllm", "x")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "other"
+
+
+def test_a_spec_refuses_a_name_that_cannot_name_a_job_and_a_serving_row_declared_twice():
+    for bad in ("My-Drafter", "Mine", ""):
+        with pytest.raises(ValueError, match="lower-case Python identifier"):
+            DrafterSpec(bad, _Schema, ())
+    row = Served("export/mine", "mine", {})
+    with pytest.raises(ValueError, match="two serving rows"):
+        DrafterSpec("mine", _Schema, ("mine",), serving=(row, row))
+    variant = dataclasses.replace(row, variant="flags")
+    spec = DrafterSpec("mine", _Schema, ("mine",), serving=(row, variant))
+    assert spec.served("export/mine", "flags") is variant and spec.served("export/mine", "other") is row
+    with pytest.raises(KeyError, match="declares no serving row for export/tgi"):
+        spec.served("export/tgi")
+
+
+def test_a_recipe_without_a_behaviour_it_must_define_is_refused_where_it_is_built():
+    class Half(Recipe):
+        spec = DrafterSpec("half", _Schema, ("half",))
+
+        def train(self, job, rows):
+            raise AssertionError("never called")
+
+    with pytest.raises(TypeError, match="abstract methods.*chain"):
+        Half()
+
+    class Feature(FeatureRecipe):
+        spec = DrafterSpec("feature", _Schema, ("feature",))
+
+    with pytest.raises(TypeError, match="build"):
+        Feature()
+
+
+@pytest.mark.parametrize("name", sorted(drafters.DRAFTERS))
+def test_each_registered_spec_names_its_job_config_and_methods(name):
+    """The registry's name is the spec's, its schema's ``drafter`` default and the config section it reads; the
+    serving rows name the folders it writes, the one vLLM loads among them."""
+    spec = drafters.get(name).spec
+    assert spec.name == name and spec.schema().drafter == name and hasattr(spec.schema(), name)
+    assert spec.methods and all(re.compile(p) for p in spec.methods)
+    assert spec.vllm_weights in {row.export for row in spec.serving}
+    assert all(row.export.startswith("export/") for row in spec.serving)
