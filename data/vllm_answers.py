@@ -25,7 +25,16 @@ READY = "DRAFTHEADS_READY"
 def main(job: dict) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process: no second import
     from vllm import LLM, SamplingParams
-    llm = LLM(model=job["target"], **job["engine"])
+    from vllm.platforms import current_platform
+    engine = dict(job["engine"])
+    if current_platform.is_cpu():
+        # A prefill split over steps discards the sample of its first part and rewinds the request's generator,
+        # which a seeded request on vLLM's CPU build cannot do ("CPU Generator does not use offset":
+        # v1/worker/gpu_model_runner.py, _bookkeeping_sync): self-made prompts (a seed each) crash in any batch
+        # whose prompts exceed one step's tokens. Prefills are kept whole there (a step holds a whole context).
+        engine.setdefault("enable_chunked_prefill", False)
+        engine.setdefault("max_num_batched_tokens", max(engine.get("max_model_len") or 0, 8192))
+    llm = LLM(model=job["target"], **engine)
     print(READY, flush=True)
     for line in sys.stdin:
         request = json.loads(line)

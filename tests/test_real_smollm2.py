@@ -178,3 +178,9 @@ def test_vllms_engine_answers_as_the_transformers_path_but_at_ties(smollm2):
     texts = [c["text"] for c in batch]
     assert len(set(texts)) == len(texts) and batch != sm.sample_batch(model, tokenizer, settings, 1, vllm)
     assert len(sm.keep(batch, settings, tuple(tokenizer.all_special_tokens), Counter())) >= 4, texts
+    # a batch whose prompts exceed one engine step's tokens (vLLM's CPU build crashed on seeded requests whose
+    # prefill it split: "CPU Generator does not use offset"): 256 prompts of about 35 tokens, each its own draw
+    # (8 tokens sampled at temperature 1: about 250 distinct texts here, half is far below)
+    big = sm.SelfMade(batch_size=256, max_prompt_tokens=8)
+    texts = [c["text"] for c in sm.sample_batch(model, tokenizer, big, 0, vllm)]
+    assert len(texts) == 256 and len(set(texts)) > 128, texts[:8]
