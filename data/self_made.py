@@ -188,6 +188,12 @@ class Sampler(Protocol):
                  seeds: list[int] | None = None) -> list[tuple[list[int], bool]]: ...
 
 
+def template_tokens(tokenizer) -> tuple[str, ...]:
+    """The texts a prompt may not hold (the ``template_tokens`` filter): the tokenizer's special tokens and the turn
+    markers of the ChatML and Gemma templates."""
+    return tuple(s for s in tokenizer.all_special_tokens if s) + ("<|im_start|>", "<start_of_turn>")
+
+
 def cache_file(settings: SelfMade, model_id: dict, chat_template: str | None, cache_dir: str | Path,
                engine: str | None = None) -> Path:
     """Where the candidates of ``settings`` for this target live: keyed by the target, its template, every
@@ -241,7 +247,7 @@ def self_made_prompts(settings: SelfMade, count: int, model, tokenizer, model_id
     path = cache_file(settings, model_id, tokenizer.chat_template, cache_dir, engine and engine.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     batches = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    specials = tuple(s for s in tokenizer.all_special_tokens if s) + ("<|im_start|>", "<start_of_turn>")
+    specials = template_tokens(tokenizer)
     limit = settings.max_batches or max(4 * -(-count // settings.batch_size), 1)
     keeper = Keeper(settings, specials)
     for c in (c for b in batches for c in b):
