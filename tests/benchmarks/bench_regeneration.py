@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 
 import torch
 from draftheads.data.generation import GenerationSettings
@@ -40,8 +41,13 @@ def main(argv: list[str]) -> None:
     model, tokenizer, path = load_target(TargetSpec(name_or_path=args.get("model", SMOLLM2)),
                                          args.get("cache_dir", "~/.cache/draftheads"))
     histories = [[{"role": "user", "content": p.text}] for p in chitchat_prompts("train", rows)]
-    print(f"{path}: {len(histories)} chitchat prompts, {new} new tokens at most, greedy, "
-          f"{torch.get_num_threads()} threads")
+    made = SelfMade()
+    print(f"{path}: " + (f"{len(histories)} chitchat prompts answered, {new} new tokens at most, greedy"
+                         if args.get("task", "answers") == "answers" else
+                         f"{len(histories)} self-made prompts (rounded up to whole batches) sampled, topics "
+                         f"{made.topics} taking turns by batch, {made.max_prompt_tokens} tokens at most, "
+                         f"temperature {made.temperature}, top-p {made.top_p}")
+          + f", {torch.get_num_threads()} threads")
     results = {}
     stop = stop_token_ids(tokenizer, model.generation_config)
     for engine in args.get("engines", "transformers").split(","):
@@ -54,10 +60,10 @@ def main(argv: list[str]) -> None:
             backend.answer(histories[:2])  # one-time costs (vLLM's engine start)
             start, tokens, kept = time.perf_counter(), 0, None
             if args.get("task", "answers") == "prompts":
-                made, keeper = SelfMade(batch_size=size), Keeper(SelfMade(), template_tokens(tokenizer))
+                keeper = Keeper(made, template_tokens(tokenizer))
                 sampler = None if engine == "transformers" else backend
                 for index in range(-(-len(histories) // size)):
-                    for c in sample_batch(model, tokenizer, made, index, sampler):
+                    for c in sample_batch(model, tokenizer, replace(made, batch_size=size), index, sampler):
                         tokens += len(tokenizer(c["text"], add_special_tokens=False)["input_ids"]) + c["finished"]
                         keeper.offer(c)
                 rows_made, kept = -(-len(histories) // size) * size, len(keeper.kept)
