@@ -232,7 +232,12 @@ class Recipe(Training, Artifacts, Serving):
     """One drafter: its :class:`~draftheads.drafters.spec.DrafterSpec` (``spec``, what it is) and the three
     behaviours callers use (what it does), with the defaults most drafters keep; a recipe overrides what is its
     own and must define the abstract methods (:class:`FeatureRecipe` does most of them for drafters on target
-    layers)."""
+    layers). ``TypeError`` where one is built without a ``spec``."""
+
+    def __init__(self):
+        if not isinstance(getattr(self, "spec", None), DrafterSpec):
+            raise TypeError(f"{type(self).__name__} declares no spec: set `spec = DrafterSpec(...)` in its class "
+                            "(draftheads/drafters/spec.py)")
 
 
 class FeatureRecipe(Recipe):

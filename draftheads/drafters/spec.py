@@ -8,7 +8,10 @@ SpecForge's split of a speculative algorithm's declaration from its implementati
 
 from __future__ import annotations
 
+import keyword
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from draftheads.serving.matrix import Served
 
@@ -16,10 +19,13 @@ from draftheads.serving.matrix import Served
 @dataclass(frozen=True)
 class DrafterSpec:
     """One drafter's declaration. Fields left empty take the defaults of a drafter on target layers (one
-    stage of its name, its export ``export/<name>``, vLLM's method its name). Raises ``ValueError`` for a name that
-    is not a Python identifier or a serving row for a folder twice with one variant."""
+    stage of its name, its export ``export/<name>``, vLLM's method its name). Raises ``ValueError`` where it is
+    built for what would break later: a name outside ``[a-z][a-z0-9]*`` or a Python keyword, a field that should be a
+    tuple and is not (a string would be read one character at a time), no method or one that is no regular
+    expression, an export folder outside the run's ``export/``, two serving rows for one folder and variant, serving
+    rows none of which is for ``vllm_weights``."""
     name: str
-    """Registry name, recorded as ``drafter`` in every run's config (``[a-z][a-z0-9]*``)."""
+    """Registry name, recorded as ``drafter`` in every run's config (``[a-z][a-z0-9]*``, not a keyword)."""
     schema: type
     """Its :class:`~draftheads.training.config.RunConfig` subclass (``conf/<name>.yaml`` extends it)."""
     methods: tuple[str, ...]
@@ -50,16 +56,34 @@ class DrafterSpec:
     source's that are dropped when this drafter lacks them (:func:`~draftheads.training.warm_start.load_source`)."""
 
     def __post_init__(self) -> None:
-        if not self.name.isidentifier() or self.name != self.name.lower():
-            raise ValueError(f"drafter name {self.name!r}: a lower-case Python identifier (it names train/<name>.py, "
+        name = self.name
+        if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9]*", name)) or keyword.iskeyword(name):
+            raise ValueError(f"drafter name {name!r}: [a-z][a-z0-9]*, not a Python keyword (it names train/<name>.py, "
                              "conf/<name>.yaml and the config section)")
-        keys = [(row.export, row.variant) for row in self.serving]
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"drafter {self.name!r}: two serving rows for one export folder and variant: {keys}")
-        for field, default in (("stages", (self.name,)), ("vllm_weights", f"export/{self.name}"),
-                               ("vllm_method", self.name)):
+        for field in ("methods", "stages", "saved_entries", "serving", "fresh"):
+            if not isinstance(getattr(self, field), tuple):
+                raise ValueError(f"drafter {name!r}: {field} must be a tuple, not {getattr(self, field)!r}")
+        if not self.methods:
+            raise ValueError(f"drafter {name!r}: methods names none (at least its chain's report name)")
+        for pattern in self.methods:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"drafter {name!r}: method {pattern!r} is no regular expression: {e}") from None
+        for field, default in (("stages", (name,)), ("vllm_weights", f"export/{name}"), ("vllm_method", name)):
             if not getattr(self, field):
                 object.__setattr__(self, field, default)
+        keys = [(row.export, row.variant) for row in self.serving]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"drafter {name!r}: two serving rows for one export folder and variant: {keys}")
+        outside = [e for e in [self.vllm_weights, *(row.export for row in self.serving)]
+                   if not e.startswith("export/") or ".." in Path(e).parts]
+        if outside:
+            raise ValueError(f"drafter {name!r}: export folders {outside} must lie under the run's export/ (an "
+                             "overwriting run keeps only what a run writes there)")
+        if self.serving and self.vllm_weights not in {row.export for row in self.serving}:
+            raise ValueError(f"drafter {name!r}: no serving row for {self.vllm_weights}, the export vLLM loads (the "
+                             "vLLM preflight and parity read it)")
 
     def served(self, export: str, variant: str = "") -> Served:
         """Its :attr:`serving` row for the folder ``export`` (relative to the run) and ``variant``, else the plain

@@ -25,9 +25,9 @@ def test_a_spec_fills_the_defaults_of_a_drafter_on_target_layers_and_keeps_what_
 
 
 def test_a_spec_refuses_a_name_that_cannot_name_a_job_and_a_serving_row_declared_twice():
-    for bad in ("My-Drafter", "Mine", ""):
-        with pytest.raises(ValueError, match="lower-case Python identifier"):
-            DrafterSpec(bad, _Schema, ())
+    for bad in ("My-Drafter", "Mine", "", "my_drafter", "_mine", "tøy", "class", "1mine"):
+        with pytest.raises(ValueError, match=r"\[a-z\]\[a-z0-9\]\*"):
+            DrafterSpec(bad, _Schema, ("x",))
     row = Served("export/mine", "mine", {})
     with pytest.raises(ValueError, match="two serving rows"):
         DrafterSpec("mine", _Schema, ("mine",), serving=(row, row))
@@ -36,6 +36,24 @@ def test_a_spec_refuses_a_name_that_cannot_name_a_job_and_a_serving_row_declared
     assert spec.served("export/mine", "flags") is variant and spec.served("export/mine", "other") is row
     with pytest.raises(KeyError, match="declares no serving row for export/tgi"):
         spec.served("export/tgi")
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"methods": ()}, "methods names none"),
+    ({"methods": "mine"}, "methods must be a tuple"),
+    ({"stages": "stage1"}, "stages must be a tuple"),
+    ({"methods": ("mine(",)}, "no regular expression"),
+    ({"vllm_weights": "weights/mine"}, "must lie under the run's export/"),
+    ({"vllm_weights": "export/../../mine"}, "must lie under the run's export/"),
+    ({"serving": (Served("tgi", "mine", {}),)}, "must lie under the run's export/"),
+    ({"serving": (Served("export/tgi", "mine", {}),)}, "no serving row for export/mine"),
+])
+def test_a_spec_refuses_at_once_what_would_break_later(fields, says):
+    """A string where a tuple belongs would be read a character at a time; a method that is no pattern would break
+    every job's check of ``eval.peers``; an export outside ``export/`` is what an overwriting run refuses as files no
+    run writes; vLLM's preflight and parity read the serving row of the folder vLLM loads."""
+    with pytest.raises(ValueError, match=says):
+        DrafterSpec(**{"name": "mine", "schema": _Schema, "methods": ("mine",), **fields})
 
 
 def test_a_recipe_without_a_behaviour_it_must_define_is_refused_where_it_is_built():
@@ -53,6 +71,12 @@ def test_a_recipe_without_a_behaviour_it_must_define_is_refused_where_it_is_buil
 
     with pytest.raises(TypeError, match="build"):
         Feature()
+
+    class Nameless(type(drafters.get("dflash"))):
+        spec = None
+
+    with pytest.raises(TypeError, match="Nameless declares no spec"):
+        Nameless()
 
 
 @pytest.mark.parametrize("name", sorted(drafters.DRAFTERS))
