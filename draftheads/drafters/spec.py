@@ -14,16 +14,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from draftheads.serving.matrix import Served
+from draftheads.training.config import RunConfig
 
 
 @dataclass(frozen=True)
 class DrafterSpec:
     """One drafter's declaration. Fields left empty take the defaults of a drafter on target layers (one
     stage of its name, its export ``export/<name>``, vLLM's method its name). Raises ``ValueError`` where it is
-    built for what would break later: a name outside ``[a-z][a-z0-9]*`` or a Python keyword, a field that should be a
-    tuple and is not (a string would be read one character at a time), no method or one that is no regular
-    expression, an export folder outside the run's ``export/``, two serving rows for one folder and variant, serving
-    rows none of which is for ``vllm_weights``."""
+    built for what would break later: a name outside ``[a-z][a-z0-9]*`` or a Python keyword, a schema that is no
+    ``RunConfig`` subclass, a field that should be a tuple and is not (a string would be read one character at a
+    time), no method or one that is no regular expression, an export folder outside the run's ``export/``, two
+    serving rows for one folder and variant, serving rows none of which is for ``vllm_weights``."""
     name: str
     """Registry name, recorded as ``drafter`` in every run's config (``[a-z][a-z0-9]*``, not a keyword)."""
     schema: type
@@ -60,6 +61,9 @@ class DrafterSpec:
         if not (isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9]*", name)) or keyword.iskeyword(name):
             raise ValueError(f"drafter name {name!r}: [a-z][a-z0-9]*, not a Python keyword (it names train/<name>.py, "
                              "conf/<name>.yaml and the config section)")
+        if not (isinstance(self.schema, type) and issubclass(self.schema, RunConfig)):
+            raise ValueError(f"drafter {name!r}: schema {self.schema!r} is no RunConfig subclass "
+                             "(draftheads/training/config.py; conf/<name>.yaml extends it)")
         for field in ("methods", "stages", "saved_entries", "serving", "fresh"):
             if not isinstance(getattr(self, field), tuple):
                 raise ValueError(f"drafter {name!r}: {field} must be a tuple, not {getattr(self, field)!r}")

@@ -9,16 +9,13 @@ from draftheads import drafters
 from draftheads.drafters.contract import FeatureRecipe, Recipe
 from draftheads.drafters.spec import DrafterSpec
 from draftheads.serving.matrix import Served
-
-
-class _Schema:
-    """Stands in for a RunConfig: the spec only holds it."""
+from draftheads.training.config import RunConfig
 
 
 def test_a_spec_fills_the_defaults_of_a_drafter_on_target_layers_and_keeps_what_it_is_given():
-    spec = DrafterSpec("mine", _Schema, ("mine",))
+    spec = DrafterSpec("mine", RunConfig, ("mine",))
     assert (spec.stages, spec.vllm_weights, spec.vllm_method) == (("mine",), "export/mine", "mine")
-    given = DrafterSpec("mine", _Schema, ("mine",), stages=("a", "b"), vllm_weights="export/vllm", vllm_method="x")
+    given = DrafterSpec("mine", RunConfig, ("mine",), stages=("a", "b"), vllm_weights="export/vllm", vllm_method="x")
     assert (given.stages, given.vllm_weights, given.vllm_method) == (("a", "b"), "export/vllm", "x")
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
@@ -27,18 +24,19 @@ def test_a_spec_fills_the_defaults_of_a_drafter_on_target_layers_and_keeps_what_
 def test_a_spec_refuses_a_name_that_cannot_name_a_job_and_a_serving_row_declared_twice():
     for bad in ("My-Drafter", "Mine", "", "my_drafter", "_mine", "tøy", "class", "1mine"):
         with pytest.raises(ValueError, match=r"\[a-z\]\[a-z0-9\]\*"):
-            DrafterSpec(bad, _Schema, ("x",))
+            DrafterSpec(bad, RunConfig, ("x",))
     row = Served("export/mine", "mine", {})
     with pytest.raises(ValueError, match="two serving rows"):
-        DrafterSpec("mine", _Schema, ("mine",), serving=(row, row))
+        DrafterSpec("mine", RunConfig, ("mine",), serving=(row, row))
     variant = dataclasses.replace(row, variant="flags")
-    spec = DrafterSpec("mine", _Schema, ("mine",), serving=(row, variant))
+    spec = DrafterSpec("mine", RunConfig, ("mine",), serving=(row, variant))
     assert spec.served("export/mine", "flags") is variant and spec.served("export/mine", "other") is row
     with pytest.raises(KeyError, match="declares no serving row for export/tgi"):
         spec.served("export/tgi")
 
 
 @pytest.mark.parametrize("fields, says", [
+    ({"schema": dict}, "no RunConfig subclass"),
     ({"methods": ()}, "methods names none"),
     ({"methods": "mine"}, "methods must be a tuple"),
     ({"stages": "stage1"}, "stages must be a tuple"),
@@ -53,12 +51,12 @@ def test_a_spec_refuses_at_once_what_would_break_later(fields, says):
     every job's check of ``eval.peers``; an export outside ``export/`` is what an overwriting run refuses as files no
     run writes; vLLM's preflight and parity read the serving row of the folder vLLM loads."""
     with pytest.raises(ValueError, match=says):
-        DrafterSpec(**{"name": "mine", "schema": _Schema, "methods": ("mine",), **fields})
+        DrafterSpec(**{"name": "mine", "schema": RunConfig, "methods": ("mine",), **fields})
 
 
 def test_a_recipe_without_a_behaviour_it_must_define_is_refused_where_it_is_built():
     class Half(Recipe):
-        spec = DrafterSpec("half", _Schema, ("half",))
+        spec = DrafterSpec("half", RunConfig, ("half",))
 
         def train(self, job, rows):
             raise AssertionError("never called")
@@ -67,7 +65,7 @@ def test_a_recipe_without_a_behaviour_it_must_define_is_refused_where_it_is_buil
         Half()
 
     class Feature(FeatureRecipe):
-        spec = DrafterSpec("feature", _Schema, ("feature",))
+        spec = DrafterSpec("feature", RunConfig, ("feature",))
 
     with pytest.raises(TypeError, match="build"):
         Feature()
