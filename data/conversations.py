@@ -3,7 +3,8 @@
 Formats (``data.format``, ``auto`` tells them apart by their fields):
 - ``messages``: OpenAI ``[{"role": ..., "content": ...}]``; a file written by ``train/regenerate.py`` is one too, and
   what it adds is kept: each answer's ``token_ids`` (trained as generated, not re-encoded) and ``unfinished``
-  (answers cut by the token budget train without an end-of-turn token, which the target never produced);
+  (answers cut by the token budget train without an end-of-turn token, which the target never produced); a row's
+  ``answered`` (int) marks its first answers as the target's own, kept by regeneration;
 - ``sharegpt``: ``conversations: [{"from": "human"|"gpt"|"system", "value": ...}]``;
 - ``prompt``: a single prompt (``prompt``, ``question``, ``instruction`` (+ ``input``), or MT-Bench ``turns``);
 - ``tokenized``: ``input_ids`` + ``loss_mask`` lists, used as they are (no template, no regeneration).
@@ -55,11 +56,29 @@ class Chat:
     thinking: bool | None = None
     """The thinking mode it is rendered and answered in (True, False; None: the template's default), chosen per
     row by ``data.thinking_fraction`` (:func:`~draftheads.data.pipeline.with_thinking`)."""
+    answered: int = 0
+    """How many leading assistant turns the target already wrote with the job's generation settings: regeneration
+    keeps them and answers the user turns after them (a self-made follow-up's first answer)."""
+
+    @property
+    def kept(self) -> int:
+        """The number of leading ``messages`` regeneration keeps: up to the ``answered``-th assistant turn, else
+        the system prompt if any."""
+        return kept_prefix(self.messages, self.answered)
 
     @property
     def where(self) -> str:
         return row_location(self.source, self.row)
 
+
+
+def kept_prefix(messages, answered: int) -> int:
+    """The number of leading ``messages`` (dicts with ``role``) up to and with the ``answered``-th assistant turn
+    (for 0: the system prompt if one leads, else none)."""
+    if answered == 0:
+        return int(bool(messages) and messages[0]["role"] == "system")
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return answers[answered - 1] + 1
 
 
 def read_jsonl(path: str | Path) -> Iterator[tuple[str, int, object]]:
@@ -98,7 +117,9 @@ def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto",
     """Normalise one raw row; ``field`` names the column holding the prompt or the turns (default: by format).
     A row-level system prompt (:data:`SYSTEM_FIELDS`) leads the turns of any format. Raises :class:`BadRow`
     (reasons: not_an_object, missing_field, missing_role, unknown_role, non_string_content, empty_conversation,
-    system_not_first, system_twice, no_user_turn, bad_tokens, bad_unfinished, failed_regeneration)."""
+    system_not_first, system_twice, no_user_turn, bad_tokens, bad_unfinished, bad_answered, failed_regeneration).
+    A ``messages`` row's ``answered`` (an int, default 0) says how many of its leading assistant turns the target
+    already wrote (:attr:`Chat.answered`)."""
     if isinstance(row, BadRow):
         raise row
     if not isinstance(row, dict):
@@ -123,7 +144,12 @@ def to_chat(row: object, where: str, source: str, index: int, fmt: str = "auto",
     messages = normalise(_mark_unfinished(row, turns, where), where)
     unfinished = tuple(i for i, m in enumerate(messages) if m.pop("unfinished", False))
     thinking = row.get("thinking") if isinstance(row.get("thinking"), bool) else None  # a regeneration file's mode
-    return Chat(source, index, messages=tuple(messages), unfinished=unfinished, thinking=thinking)
+    answered = row.get("answered", 0)
+    answers = sum(m["role"] == "assistant" for m in messages)
+    if isinstance(answered, bool) or not isinstance(answered, int) or not 0 <= answered <= answers:
+        raise BadRow(where, "answered", "bad_answered", f"must be an int in 0..{answers} (the leading assistant turns "
+                                                        f"the target wrote), got {answered!r}")
+    return Chat(source, index, messages=tuple(messages), unfinished=unfinished, thinking=thinking, answered=answered)
 
 
 SYSTEM_FIELDS = ("system", "system_prompt")

@@ -24,6 +24,7 @@ from draftheads.data.regenerate import (
     resolve_reasoning,
     settings_key,
 )
+from draftheads.data import follow_ups
 from draftheads.data.self_made import NearDuplicates, Sampler, cache_file, distinct_bigrams, self_made_prompts
 from draftheads.data.sources import row_location
 from draftheads.data.templates import (
@@ -98,8 +99,7 @@ def _fit_template(chats: list, tokenizer, data_cfg, report: DataReport) -> list:
             report.skip("template_rejected", f"{c.where}: {e}")
             continue
         dropped = len(c.messages) - len(messages)  # a system turn folded or dropped moves every answer up
-        out.append(type(c)(c.source, c.row, tuple(messages), unfinished=tuple(i - dropped for i in c.unfinished),
-                           thinking=c.thinking))
+        out.append(replace(c, messages=tuple(messages), unfinished=tuple(i - dropped for i in c.unfinished)))
     return out
 
 
@@ -173,20 +173,51 @@ def near_eval(chats: list, held_out: list[str], threshold: float = 0.7, shown: i
     return {"count": len(found), "examples": [f"{c.where}: {text[:80]!r}" for c, text in found[:shown]]}
 
 
+class Answers:
+    """The job's regeneration (:func:`~draftheads.data.regenerate.regenerate` with its backend, generation settings
+    and cache) as a callable on conversations: the training rows', and the self-made follow-ups' first answers.
+    ``key`` is its settings key (:func:`~draftheads.data.regenerate.settings_key`): caches with it lend answers."""
+
+    def __init__(self, backend, data_cfg, model_id: dict, tokenizer, cache_dir: str | Path, show_progress: bool):
+        self.backend, self.generation, self.model_id, self.tokenizer = backend, data_cfg.generation, model_id, tokenizer
+        self.cache_dir, self.show_progress = Path(cache_dir).expanduser(), show_progress
+        self.key = settings_key(model_id, self.generation, backend.name, tokenizer.chat_template)
+
+    def __call__(self, chats: list, rank: int = 0, world_size: int = 1, barrier=lambda: None) -> list:
+        """The answered ``chats`` (a ``Regenerated`` each, in order), cached under a key of these chats."""
+        key = cache_key(self.model_id, chats, self.generation, self.backend.name, self.tokenizer.chat_template)
+        return regenerate(self.backend, chats, self.generation.batch_size,
+                          self.cache_dir / "regenerated" / f"{key}.jsonl", self.show_progress, rank, world_size,
+                          barrier, self.key)
+
+
 def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: str | Path,
-                report: DataReport | None = None, show_progress: bool = True, engine: Sampler | None = None):
+                report: DataReport | None = None, show_progress: bool = True, engine: Sampler | None = None,
+                answers: Answers | None = None):
     """``src`` itself, or for a ``self_made`` source a JSONL source over the first ``count`` prompts the target
     wrote (:func:`~draftheads.data.self_made.self_made_prompts`, cached; sampled by ``engine`` where one is given),
-    written to ``<cache>/self_made/<key>-<count>.jsonl``: every reader downstream (rows, eval prompts, row
-    numbering) reads it as any file. What the filters dropped and the prompts' diversity go into
-    ``report.self_made``."""
+    some of them made two-turn by the target's follow-ups with ``self_made.follow_ups`` (:mod:`~draftheads.data.
+    follow_ups`, first answers by ``answers``), written to ``<cache>/self_made/<key>-<count>.jsonl``: every reader
+    downstream (rows, eval prompts, row numbering) reads it as any file. What the filters dropped and the
+    prompts' diversity go into ``report.self_made``. Raises ``ValueError`` for follow-ups without ``answers`` (an
+    eval set, or a job that does not regenerate)."""
     if src.source != "self_made":
         return src
+    settings = src.self_made
+    if settings.follow_ups and answers is None:
+        raise ValueError(f"self_made.follow_ups={settings.follow_ups}: follow-ups are written after the target's "
+                         "answers, so they are for training data that is regenerated (data.regenerate=true), not "
+                         "for eval sets")
     counts = Counter()
-    rows = self_made_prompts(src.self_made, count, target, tokenizer, model_id, cache_dir, counts, show_progress,
-                             engine)
-    path = cache_file(src.self_made, model_id, tokenizer.chat_template, cache_dir, engine and engine.name)
-    path = path.with_name(f"{path.stem}-{count}.jsonl")
+    rows = self_made_prompts(settings, count, target, tokenizer, model_id, cache_dir, counts, show_progress, engine)
+    prompts_cache = cache_file(settings, model_id, tokenizer.chat_template, cache_dir, engine and engine.name)
+    path = prompts_cache.with_name(f"{prompts_cache.stem}-{count}.jsonl")
+    follow = Counter()
+    if settings.follow_ups:
+        followed = follow_ups.cache_path(prompts_cache, settings, answers.key, engine and engine.name)
+        path = path.with_name(f"{path.stem}.{followed.stem.split('.')[-1]}.jsonl")
+        rows = follow_ups.with_follow_ups(rows, str(path), settings, answers, target, tokenizer, prompts_cache,
+                                          follow, show_progress, engine)
     if not path.exists():
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -197,25 +228,29 @@ def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: s
               file=sys.stderr, flush=True)
     if report is not None:
         made, kept = counts.pop("made", 0), counts.pop("kept", 0)
-        report.self_made[str(path)] = {"made": made, "kept": kept, "used": len(rows), "dropped": dict(counts),
-                                       "distinct_bigrams": distinct_bigrams([r["prompt"] for r in rows])}
+        report.self_made[str(path)] = {
+            "made": made, "kept": kept, "used": len(rows), "dropped": dict(counts),
+            "distinct_bigrams": distinct_bigrams([r["prompt"] if "prompt" in r else r["messages"][-3]["content"]
+                                                  for r in rows]),
+            **({"follow_ups": {**follow, "distinct_bigrams": distinct_bigrams(
+                [r["messages"][-1]["content"] for r in rows if "messages" in r])}} if settings.follow_ups else {})}
     return replace(src, source="jsonl", path=str(path))
 
 
 def made_sources(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path, report: DataReport,
-                 show_progress: bool = True, engine: Sampler | None = None):
+                 show_progress: bool = True, engine: Sampler | None = None, answers: Answers | None = None):
     """``data_cfg`` with each ``self_made`` source (itself, or a ``data.mixture`` component) made into a file
-    (:func:`made_source`, ``engine`` sampling where given), asked for the rows its share of training and validation
-    reads."""
+    (:func:`made_source`, ``engine`` sampling where given, ``answers`` answering the follow-ups' first turns),
+    asked for the rows its share of training and validation reads."""
     if data_cfg.mixture:
         weights = [m.weight for m in data_cfg.mixture]
         counts = [a + b for a, b in zip(_shares(data_cfg.num_train_prompts, weights),
                                         _shares(data_cfg.num_val_prompts, weights))]
         return replace(data_cfg, mixture=[made_source(m, n, target, tokenizer, model_id, cache_dir, report,
-                                                      show_progress, engine)
+                                                      show_progress, engine, answers)
                                           for m, n in zip(data_cfg.mixture, counts)])
     return made_source(data_cfg, data_cfg.num_train_prompts + data_cfg.num_val_prompts, target, tokenizer, model_id,
-                       cache_dir, report, show_progress, engine)
+                       cache_dir, report, show_progress, engine, answers)
 
 
 def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: str | Path,
@@ -242,16 +277,24 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
     """
     if data_cfg.num_val_prompts < 1:
         raise ValueError("data.num_val_prompts must be >= 1: the drafter is validated on held-out rows")
+    followed = [s for s in (data_cfg.mixture or [data_cfg]) if s.source == "self_made" and s.self_made.follow_ups]
+    if followed and (not data_cfg.regenerate or data_cfg.thinking_fraction is not None):
+        raise ValueError(f"self_made.follow_ups={followed[0].self_made.follow_ups} is written after the target's own "
+                         f"answers in the template's default mode: it needs data.regenerate=true (is "
+                         f"{data_cfg.regenerate}) and no data.thinking_fraction (is {data_cfg.thinking_fraction})")
     if data_cfg.thinking_fraction is not None:  # before any row is read
         check_thinking_switch(tokenizer, "data.thinking_fraction")
     report = DataReport()
     backend = make_backend(data_cfg, target, tokenizer, vllm) if data_cfg.regenerate else None  # started on use
     engine = backend if isinstance(backend, VLLMBackend) else None  # vLLM's samples the self-made prompts too
+    answers = Answers(backend, data_cfg, model_id, tokenizer, cache_dir, show_progress) if backend else None
     if rank == 0:  # the target writes self-made prompts once; the other ranks read them from the cache
-        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, report, show_progress, engine)
+        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, report, show_progress, engine,
+                                answers)
     barrier()
     if rank != 0:
-        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, DataReport(), False, engine)
+        data_cfg = made_sources(data_cfg, target, tokenizer, model_id, cache_dir, DataReport(), False, engine,
+                                answers)
     train, val = split_chats(data_cfg, tokenizer, report)
     if held_out:
         report.near_eval = near_eval(train, held_out)
@@ -260,12 +303,7 @@ def self_distilled_rows(data_cfg, target, tokenizer, model_id: dict, cache_dir: 
                   with_thinking(val, data_cfg.thinking_fraction, seed))
     chats = train + val
     if data_cfg.regenerate:
-        messages = [c for c in chats if c.tokens is None]
-        key = cache_key(model_id, messages, data_cfg.generation, backend.name, tokenizer.chat_template)
-        answered = regenerate(backend, messages, data_cfg.generation.batch_size,
-                              Path(cache_dir).expanduser() / "regenerated" / f"{key}.jsonl", show_progress,
-                              rank, world_size, barrier,
-                              settings_key(model_id, data_cfg.generation, backend.name, tokenizer.chat_template))
+        answered = answers([c for c in chats if c.tokens is None], rank, world_size, barrier)
         report.failed = sum(r.error is not None for r in answered)
         check_failed(answered, data_cfg.max_failed_fraction)
         by_key = {(r.source, r.row): r for r in answered if r.error is None}

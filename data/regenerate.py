@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
-from draftheads.data.conversations import Chat
+from draftheads.data.conversations import Chat, kept_prefix
 from draftheads.data.generation import GenerationSettings, generate_ids
 from draftheads.data.templates import apply_system_policy, check_template, stop_token_ids, template_kwargs
 from draftheads.models.decoding import cut_at_stop
@@ -254,11 +254,12 @@ class OpenAIBackend:
 def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
     """Regenerate every assistant turn of ``chats`` turn by turn: round k answers each conversation's k-th user
     turn given the system prompt, earlier user turns and the target's own earlier answers, in the
-    conversation's thinking mode (``Chat.thinking``). The dataset's own assistant turns are replaced; a
-    conversation where the backend fails is returned with ``error``."""
-    histories: list[list[dict]] = [[m for m in c.messages[:1] if m["role"] == "system"] for c in chats]
-    users = [[m for m in c.messages if m["role"] == "user"] for c in chats]
-    unfinished: list[list[int]] = [[] for _ in chats]
+    conversation's thinking mode (``Chat.thinking``). The dataset's own assistant turns are replaced, but for the
+    first ``Chat.answered`` ones, which the target wrote already: those are kept, and the answering starts after
+    them. A conversation where the backend fails is returned with ``error``."""
+    histories: list[list[dict]] = [list(c.messages[:c.kept]) for c in chats]
+    users = [[m for m in c.messages[c.kept:] if m["role"] == "user"] for c in chats]
+    unfinished: list[list[int]] = [[i for i in c.unfinished if i < c.kept] for c in chats]
     errors: list[str | None] = [None] * len(chats)
     for k in range(max(map(len, users), default=0)):
         live = [i for i in range(len(chats)) if k < len(users[i]) and errors[i] is None]
@@ -283,12 +284,14 @@ def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
 def cache_key(model_id: dict, chats: list[Chat], settings: GenerationSettings, backend: str,
               chat_template: str | None) -> str:
     """Hash of the target's identity and chat template, the conversations (and each one's thinking mode when it
-    is not the template's default), the generation settings and the backend (which names the engine: the
-    ``engine`` setting itself stays out, so caches made before it existed keep their keys)."""
+    is not the template's default, and its kept answers when it has some), the generation settings and the backend
+    (which names the engine: the ``engine`` setting itself stays out, so caches made before it existed keep their
+    keys)."""
     h = hashlib.sha256(_answer_maker(model_id, settings, backend, chat_template))
     for c in chats:
         mode = [] if c.thinking is None else [c.thinking]  # the default's keys stay those of caches made before
-        h.update(json.dumps([c.source, c.row, c.messages, *mode]).encode())
+        kept = [{"answered": c.answered}] if c.answered else []
+        h.update(json.dumps([c.source, c.row, c.messages, *mode, *kept]).encode())
     return h.hexdigest()[:20]
 
 
@@ -306,28 +309,34 @@ def _answer_maker(model_id: dict, settings: GenerationSettings, backend: str, ch
     return json.dumps([model_id, made, backend, chat_template], sort_keys=True).encode()
 
 
-def _turns(messages, thinking: bool | None) -> str:
-    """What the target is asked in a conversation, whatever its source calls it: the system prompt, every user
-    turn and the thinking mode (a dataset's own assistant turns are replaced, so they do not count)."""
-    asked = [m for m in messages[:1] if m["role"] == "system"] + [m for m in messages if m["role"] == "user"]
+def _turns(messages, thinking: bool | None, answered: int = 0) -> str:
+    """What the target is asked in a conversation, whatever its source calls it: the system prompt, the first
+    ``answered`` answers (the target's, kept), every user turn and the thinking mode (a dataset's own assistant
+    turns are replaced, so they do not count)."""
+    kept = kept_prefix(messages, answered)
+    asked = [{"role": m["role"], "content": m["content"]} for m in messages[:kept]] + \
+        [m for m in messages[kept:] if m["role"] == "user"]
     return json.dumps([asked, thinking], sort_keys=True)
 
 
 def _borrow(chats: list[Chat], cache_file: Path, settings: str, into: Path) -> int:
     """Append to ``into`` the answers that finished caches beside ``cache_file`` made with the same settings key
-    hold for ``chats`` (matched by what the target is asked, not by source and row). Returns how many."""
+    hold for ``chats`` (matched by what the target is asked, not by source and row: a conversation with kept
+    answers borrows from one whose same answers the target made). Returns how many."""
     wanted: dict[str, list[Chat]] = {}
     for c in chats:
-        wanted.setdefault(_turns(c.messages, c.thinking), []).append(c)
+        wanted.setdefault(_turns(c.messages, c.thinking, c.answered), []).append(c)
+    depths = sorted({c.answered for c in chats})
     borrowed = []
     for mark in sorted(cache_file.parent.glob("*.jsonl.settings")):
         lender = mark.with_suffix("")
         if lender == cache_file or not lender.exists() or mark.read_text() != settings or not wanted:
             continue
         for r in _read(lender):
-            if r.error is None:
+            answers = sum(m["role"] == "assistant" for m in r.messages)
+            for k in (k for k in depths if r.error is None and k <= answers):
                 borrowed += [Regenerated(c.source, c.row, r.messages, r.unfinished, thinking=c.thinking)
-                             for c in wanted.pop(_turns(r.messages, r.thinking), [])]
+                             for c in wanted.pop(_turns(r.messages, r.thinking, k), [])]
     if borrowed:
         with open(into, "a") as f:
             f.writelines(json.dumps(asdict(r)) + "\n" for r in borrowed)
@@ -346,9 +355,9 @@ def regenerate(backend: Backend, chats: list[Chat], batch_size: int, cache_file:
 
     ``settings`` (:func:`settings_key`, recorded in ``<cache_file>.settings``; None: nothing borrowed):
     conversations that another finished cache in ``cache_file``'s folder made with the same settings key answers
-    (the same system prompt, user turns and thinking mode) are taken from it instead of asking the backend, so a
-    larger data set reuses a smaller one's answers (at temperature > 0 a borrowed answer is another draw from the
-    same distribution).
+    (the same system prompt, kept answers, user turns and thinking mode) are taken from it instead of asking the
+    backend, so a larger data set reuses a smaller one's answers (at temperature > 0 a borrowed answer is another
+    draw from the same distribution).
 
     With ``world_size`` > 1 (call it on every rank, ``barrier`` being a collective wait), each rank answers its
     share of what is left into ``<cache_file>.partial.rank<r>`` (resuming from every rank's partial file, so

@@ -72,11 +72,17 @@ class SelfMade:
     """Stop after this many batches even if fewer prompts than asked survived (null: 4 x what a request needs)."""
     keep_system: bool = False
     """Keep the steering system prompt as the row's system turn (default: the user's message alone)."""
+    follow_ups: float = 0.0
+    """Share of the prompts (0..1) whose conversation goes on: the target answers the prompt, writes the user's
+    next turn after its answer, and regeneration answers that too (:mod:`draftheads.data.follow_ups`; training
+    data only, with ``data.regenerate``)."""
 
     def __post_init__(self):
         unknown = [t for t in self.topics if t not in TOPICS]
         if unknown or not self.topics:
             raise ValueError(f"self_made.topics={self.topics}: topics are {sorted(TOPICS)}")
+        if not 0 <= self.follow_ups <= 1:
+            raise ValueError(f"self_made.follow_ups={self.follow_ups}: a share of the prompts, in [0, 1]")
         if not (self.temperature > 0 and 0 < self.top_p <= 1):
             raise ValueError(f"self_made: temperature {self.temperature} must be > 0 (prompts are sampled) and top_p "
                              f"{self.top_p} in (0, 1]")
@@ -167,13 +173,15 @@ def distinct_bigrams(texts: list[str]) -> float:
     return len(set(grams)) / len(grams) if grams else 0.0
 
 
-def pre_query(tokenizer, system: str | None) -> str:
-    """The chat template rendered up to where the user's message begins (Magpie's pre-query template): a
-    conversation of one user turn holding a marker, cut at the marker. Raises ``ValueError`` (naming the fix)
-    for a tokenizer without a chat template."""
+def pre_query(tokenizer, system: str | None, history: list[dict] = ()) -> str:
+    """The chat template rendered up to where the next user message begins (Magpie's pre-query template): the
+    ``system`` prompt, the conversation so far (``history``: user and assistant turns, no system turn) and a user
+    turn holding a marker, cut at the marker. Raises ``ValueError`` (naming the fix) for a tokenizer without a chat
+    template."""
     check_template(tokenizer)
     marker = "\x00SELF_MADE_USER_TURN\x00"
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": marker}]
+    messages = ([{"role": "system", "content": system}] if system else []) + \
+        [{"role": m["role"], "content": m["content"]} for m in history] + [{"role": "user", "content": marker}]
     text = render(tokenizer, apply_system_policy(tokenizer, messages, "auto"))
     return text[:text.index(marker)]
 
@@ -216,22 +224,32 @@ def sample_batch(model, tokenizer, settings: SelfMade, index: int, engine: Sampl
     ``topics[index % len(topics)]``, from :func:`batch_seed` (the global RNG left as it was), by ``model`` in
     process or by ``engine`` (each prompt from that seed plus its place in the batch):
     ``{"text", "topic", "finished", "system"}`` each."""
+    topic = settings.topics[index % len(settings.topics)]
+    made = sample_user_turns(model, tokenizer, settings, [pre_query(tokenizer, TOPICS[topic])] * settings.batch_size,
+                             batch_seed(settings, index), engine)
+    return [{**m, "topic": topic, "system": TOPICS[topic]} for m in made]
+
+
+def sample_user_turns(model, tokenizer, settings: SelfMade, prefixes: list[str], seed: int,
+                      engine: Sampler | None = None) -> list[dict]:
+    """One user message sampled by the target after each pre-query text of ``prefixes`` (:func:`pre_query`) at
+    ``settings``' temperature, top-p and token budget, from ``seed`` (the global RNG left as it was), by ``model``
+    in process or by ``engine`` (prompt ``j`` from ``seed + j``): ``{"text", "finished"}`` each, ``finished``
+    when the target ended the turn within ``max_prompt_tokens``."""
     refuse_partial(model, "writing self-made prompts", "make them once with the whole target (a run of the job, or "
                                                        "train/regenerate.py), then train partially")
-    topic = settings.topics[index % len(settings.topics)]
-    prefix = tokenizer(pre_query(tokenizer, TOPICS[topic]), add_special_tokens=False)["input_ids"]
+    ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prefixes]
     sampling = GenerationSettings(max_new_tokens=settings.max_prompt_tokens, temperature=settings.temperature,
                                   top_p=settings.top_p)
-    seed, stop = batch_seed(settings, index), stop_token_ids(tokenizer, model.generation_config)
+    stop = stop_token_ids(tokenizer, model.generation_config)
     if engine is not None:
-        made = engine.generate([prefix] * settings.batch_size, sampling,
-                               [seed + j for j in range(settings.batch_size)])
+        made = engine.generate(ids, sampling, [seed + j for j in range(len(ids))])
     else:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            made = generate_ids(model, tokenizer, [prefix] * settings.batch_size, sampling, stop)
-    return [{"text": tokenizer.decode(ids[:-1] if ids and ids[-1] in stop else ids), "topic": topic,
-             "finished": finished, "system": TOPICS[topic]} for ids, finished in made]
+            made = generate_ids(model, tokenizer, ids, sampling, stop)
+    return [{"text": tokenizer.decode(out[:-1] if out and out[-1] in stop else out), "finished": finished}
+            for out, finished in made]
 
 
 def self_made_prompts(settings: SelfMade, count: int, model, tokenizer, model_id: dict, cache_dir: str | Path,

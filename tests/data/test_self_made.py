@@ -3,9 +3,7 @@ crafted rows, the same seed giving the same rows (and a larger request the small
 chat template refused before any generation, and a job training on them."""
 
 import json
-import math
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -18,26 +16,9 @@ from draftheads.data.conversations import Chat
 from draftheads.models.target import TargetSpec, load_target
 from draftheads.models.tiny import FAMILIES
 from draftheads.training.config import DataConfig
+from tests.helpers import quick_to_end
 
 SETTINGS = sm.SelfMade(batch_size=16, max_prompt_tokens=64, min_words=1)
-
-
-@contextmanager
-def quick_to_end(model, tokenizer):
-    """The target's stop tokens made likely (about one draw in seven each, through a hook on its LM head): a random
-    tiny target otherwise ends about one sampled message in six within 64 tokens, and its tests sampled dozens of
-    batches for a few prompts. The sampling, caching and filtering under test are the same."""
-    stop = sorted(stop_token_ids(tokenizer, model.generation_config))
-
-    def boost(module, args, logits):
-        logits[..., stop] += math.log(logits.shape[-1] / 7)
-        return logits
-
-    hook = model.get_output_embeddings().register_forward_hook(boost)
-    try:
-        yield
-    finally:
-        hook.remove()
 
 
 def candidate(text: str, finished: bool = True) -> dict:
@@ -76,6 +57,12 @@ def test_the_pre_query_template_ends_where_the_users_message_begins_in_every_fam
                                                               {"role": "user", "content": "What is 2 + 2?"}], "auto"))
     assert whole.startswith(prefix + "What is 2 + 2?"), (name, prefix)
     assert "math tutor" in prefix
+    # after a whole exchange (a follow-up's): the next user turn begins where the rendered conversation goes on
+    history = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "It is 4."}]
+    prefix = sm.pre_query(tokenizer, "Ask again.", history)
+    whole = render(tokenizer, apply_system_policy(tokenizer, [{"role": "system", "content": "Ask again."}, *history,
+                                                              {"role": "user", "content": "And 3 + 3?"}], "auto"))
+    assert whole.startswith(prefix + "And 3 + 3?") and "It is 4." in prefix, (name, prefix)
 
 
 def test_the_same_seed_gives_the_same_prompts_and_a_larger_request_extends_them(family, tmp_path):

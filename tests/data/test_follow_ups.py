@@ -1,0 +1,159 @@
+"""Self-made follow-ups: regeneration keeps the answers a row marks as the target's (``answered``), borrows by them,
+and the target writes second user turns after its own first answers (data/follow_ups.py)."""
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from draftheads.data import follow_ups as fu
+from draftheads.data.conversations import BadRow, Chat, to_chat
+from draftheads.data.pipeline import Answers, made_source, self_distilled_rows
+from draftheads.data.regenerate import Regenerated, TransformersBackend, answer_turns, cache_key, regenerate
+from draftheads.data.self_made import REASONS, SelfMade, cache_file
+from draftheads.data.generation import GenerationSettings
+from draftheads.training.config import DataConfig
+from tests.helpers import quick_to_end
+
+U1, A1, U2 = ({"role": "user", "content": "Name a red fruit."}, {"role": "assistant", "content": "A cherry."},
+              {"role": "user", "content": "And a yellow one?"})
+
+
+class Recorder:
+    """A backend answering ``answer <k>`` to its k-th request and keeping every history it was asked."""
+    name = "recorder"
+
+    def __init__(self):
+        self.asked = []
+
+    def answer(self, histories, thinking=None):
+        self.asked += [list(h) for h in histories]
+        return [({"role": "assistant", "content": f"answer {len(self.asked) - len(histories) + i}"}, True)
+                for i in range(len(histories))]
+
+
+def test_regeneration_keeps_the_answers_a_row_marks_as_the_targets_and_answers_after_them():
+    backend = Recorder()
+    kept, replaced = answer_turns(backend, [Chat("f", 0, (U1, A1, U2), answered=1), Chat("f", 1, (U1, A1, U2))])
+    assert kept.messages == [U1, A1, U2, {"role": "assistant", "content": "answer 0"}]
+    assert replaced.messages[1] != A1 and len(replaced.messages) == 4
+    assert backend.asked[0] == [U1, A1, U2]  # the kept answer is the next turn's context
+    assert [U1] in backend.asked and len(backend.asked) == 3  # the unmarked row was answered from its first turn
+    # the mark is part of what an answer depends on
+    settings = GenerationSettings()
+    assert cache_key({}, [Chat("f", 0, (U1, A1, U2), answered=1)], settings, "b", None) != \
+        cache_key({}, [Chat("f", 0, (U1, A1, U2))], settings, "b", None)
+
+
+def test_a_row_names_its_kept_answers_and_a_bad_count_is_refused_naming_the_row():
+    assert to_chat({"messages": [U1, A1, U2], "answered": 1}, "f.jsonl row 3", "f", 3).answered == 1
+    assert to_chat({"messages": [U1, A1, U2]}, "f.jsonl row 3", "f", 3).answered == 0
+    for bad in (2, -1, "1", True):
+        with pytest.raises(BadRow, match=r"f.jsonl row 3.*answered.*0\.\.1") as e:
+            to_chat({"messages": [U1, A1, U2], "answered": bad}, "f.jsonl row 3", "f", 3)
+        assert e.value.reason == "bad_answered"
+
+
+def test_a_conversation_with_kept_answers_borrows_only_where_the_lenders_answers_are_the_same(tmp_path):
+    lender = Recorder()
+    whole = [Chat("a", 0, (U1, A1, U2))]
+    made = regenerate(lender, whole, 4, tmp_path / "lender.jsonl", False, settings="same")
+    first = made[0].messages[1]
+    borrower = Recorder()
+    same = Chat("b", 0, (U1, first, U2), answered=1)
+    other = Chat("b", 1, (U1, {"role": "assistant", "content": "A strawberry."}, U2), answered=1)
+    out = regenerate(borrower, [same, other], 4, tmp_path / "borrower.jsonl", False, settings="same")
+    assert out[0].messages == made[0].messages  # lent: the same first answer, so the same second one
+    assert borrower.asked == [[U1, other.messages[1], U2]]  # only the other first answer was asked again
+
+
+def test_which_prompts_go_on_is_a_share_fixed_per_row():
+    settings = SelfMade(follow_ups=0.3)
+    chosen = [r for r in range(2000) if fu.goes_on(settings, r)]
+    assert 520 <= len(chosen) <= 680  # 600 expected; binomial sd about 20
+    assert chosen[:50] == [r for r in range(chosen[49] + 1) if fu.goes_on(settings, r)]  # any count: the same rows
+    assert not any(fu.goes_on(SelfMade(), r) for r in range(200))
+    assert all(fu.goes_on(SelfMade(follow_ups=1.0), r) for r in range(200))
+    with pytest.raises(ValueError, match="follow_ups"):
+        SelfMade(follow_ups=1.5)
+
+
+def config(**self_made) -> DataConfig:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), {
+        "source": "self_made", "num_train_prompts": 10, "num_val_prompts": 2, "max_length": 128,
+        "self_made": {"batch_size": 16, "max_prompt_tokens": 64, "min_words": 1, "max_batches": 40, **self_made},
+        "generation": {"max_new_tokens": 12, "temperature": 1.0}}))  # sampled: a tiny target's answers end, not at once
+
+
+def test_the_target_writes_follow_ups_after_its_own_answers_and_trains_on_both_turns(tiny, tmp_path, monkeypatch):
+    """Half the prompts go on: each two-turn row's first answer is the target's own (as the follow-up stage answered
+    it, kept by the job's regeneration), its follow-up passed the filters, and both answers are trained; the data
+    report counts every chosen prompt; a second run makes the same rows from the caches alone."""
+    model, tokenizer = tiny
+    cfg = config(follow_ups=0.5)
+    with quick_to_end(model, tokenizer):
+        train, val, report = self_distilled_rows(cfg, model, tokenizer, {"tiny": "llama"}, tmp_path, False)
+    (path, made), = report.self_made.items()
+    follow = made["follow_ups"]
+    assert follow["asked"] == sum(fu.goes_on(cfg.self_made, r) for r in range(12)) > 0
+    no_answer = sum(follow.get(f"answer_{k}", 0) for k in ("unfinished", "empty"))
+    assert follow["asked"] == follow["made"] + no_answer
+    assert follow["made"] == follow["kept"] + sum(v for k, v in follow.items() if k in REASONS)
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    two_turn = [r for r in rows if "messages" in r]
+    assert len(two_turn) == follow["kept"] > 0 and all(r["answered"] == 1 for r in two_turn)
+    trained = {r["row"]: r for r in train + val}
+    for r in two_turn:
+        first_answer = r["messages"][1]
+        assert first_answer["role"] == "assistant" and first_answer["token_ids"]
+        ids = trained[r["row"]]["input_ids"]
+        text = tokenizer.decode(ids)
+        assert r["messages"][2]["content"] in text and first_answer["content"] in text
+        labelled = sum(trained[r["row"]]["loss_mask"])
+        assert labelled > len(first_answer["token_ids"])  # the second answer is trained too
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("generated again, not read from the caches"))
+    again = self_distilled_rows(cfg, model, tokenizer, {"tiny": "llama"}, tmp_path, False)
+    assert [r["input_ids"].tolist() for r in again[0]] == [r["input_ids"].tolist() for r in train]
+
+
+def test_follow_ups_are_refused_where_no_regeneration_answers_them_before_any_generation(tiny, tmp_path, monkeypatch):
+    model, tokenizer = tiny
+    monkeypatch.setattr(model, "generate", lambda *a, **k: pytest.fail("generated before refusing"))
+    cfg = config(follow_ups=0.5)
+    for bad in ({"regenerate": False}, {"thinking_fraction": 0.5}):
+        with pytest.raises(ValueError, match="follow_ups=0.5.*data.regenerate"):
+            self_distilled_rows(OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), bad)), model,
+                                tokenizer, {"tiny": "llama"}, tmp_path, False)
+    with pytest.raises(ValueError, match="not for eval sets"):  # an eval set's prompts: no job answers them first
+        made_source(cfg, 8, model, tokenizer, {"tiny": "llama"}, tmp_path)
+
+
+def test_a_larger_request_keeps_a_smaller_ones_whole_batches_of_follow_ups(tiny, tmp_path):
+    """Follow-ups are cached per batch of chosen prompts: a larger request reuses the smaller one's whole batches (and
+    its answers, by the regeneration cache) and samples again only a last batch that held fewer prompts."""
+    model, tokenizer = tiny
+    cfg = config(follow_ups=0.5, batch_size=4)
+    answers = Answers(TransformersBackend(model, tokenizer, cfg.generation), cfg, {"tiny": "llama"}, tokenizer,
+                      tmp_path, False)
+    batches = {}
+    for count in (8, 16):
+        with quick_to_end(model, tokenizer):
+            made_source(cfg, count, model, tokenizer, {"tiny": "llama"}, tmp_path, show_progress=False,
+                        answers=answers)
+        cached = fu.cache_path(cache_file(cfg.self_made, {"tiny": "llama"}, tokenizer.chat_template, tmp_path),
+                               cfg.self_made, answers.key, None)
+        batches[count] = [json.loads(line) for line in cached.read_text().splitlines()]
+    whole = [b for b in batches[8] if len(b) == 4]
+    assert whole and batches[16][:len(whole)] == whole
+    assert sum(map(len, batches[16])) > sum(map(len, batches[8]))
+
+
+def test_a_first_answer_the_target_failed_on_stops_the_job_naming_it():
+    def answer(chats):
+        return [Regenerated(c.source, c.row, list(c.messages), error="HTTP 500" if c.row == 1 else None) for c in chats]
+    answer.key = "k"
+    rows = [{"prompt": f"Question number {i} here", "topic": "chat", "row": i} for i in range(3)]
+    with pytest.raises(RuntimeError, match=r"failed to answer 1 of the 3 .*prompt 1: HTTP 500.*rerun"):
+        fu.with_follow_ups(rows, "src", SelfMade(follow_ups=1.0), answer, None, None, Path("p.jsonl"), Counter())
