@@ -6,9 +6,11 @@ a whole exchange (MT-Bench's second turns, a chat's later ones).
 
 - **Which prompts go on**: prompt ``i`` when a hash of the seed and ``i`` falls below the share, so a larger request
   keeps a smaller one's choice (and its answers and follow-ups, from the caches).
-- **First answers** come from the job's regeneration (its backend, settings and cache); one the target left
-  unfinished or empty gets no follow-up (counted ``answer_unfinished``, ``answer_empty``); one it failed on (a
-  server's error) stops the job, and a rerun retries it.
+- **First answers** come from the job's regeneration (its backend, settings and cache). One cut by the token
+  budget is kept as cut (``unfinished`` in the row, so it trains without an end-of-turn token, as any cut answer
+  does) and counted (``answer_unfinished``): at the default budgets most answers of a small target are. An empty
+  one gets no follow-up (``answer_empty``); one the target failed on (a server's error) stops the job, and a rerun
+  retries it.
 - **Follow-ups** are sampled with the prompts' settings (temperature, top-p, token budget) in batches of
   ``batch_size`` chosen prompts, batch ``b`` from its own seed, cached per batch in
   ``<prompts' cache>.follow_ups-<key>.jsonl`` (the key hashes the share, the engine and how the answers were made),
@@ -62,10 +64,11 @@ def with_follow_ups(rows: list[dict], source: str, settings: SelfMade, answer: C
     """``rows`` (:func:`~draftheads.data.self_made.self_made_prompts`' ``{"prompt", "topic", "row"}``, in order)
     with the chosen ones (:func:`goes_on`) made two-turn where the target wrote a follow-up that passed the
     filters: ``{"messages": [user, the target's answer with its token_ids, the follow-up], "answered": 1, "topic",
-    "row"}``. ``answer(chats)`` answers one-turn conversations ``Chat(source, row, ...)`` as the job's
-    regeneration does (cached, resumable), returning results with ``messages``, ``unfinished`` and ``error``; its
-    ``key`` says how (:func:`~draftheads.data.regenerate.settings_key`), and keys the follow-ups' cache.
-    ``counts`` gets ``asked`` (prompts chosen), ``answer_unfinished``, ``answer_empty``, ``made`` (follow-ups
+    "row"}`` (and ``"unfinished": [1]`` where the answer was cut by the token budget). ``answer(chats)`` answers
+    one-turn conversations ``Chat(source, row, ...)`` as the job's regeneration does (cached, resumable),
+    returning results with ``messages``, ``unfinished`` and ``error``; its ``key`` says how
+    (:func:`~draftheads.data.regenerate.settings_key`), and keys the follow-ups' cache. ``counts`` gets ``asked``
+    (prompts chosen), ``answer_unfinished`` (kept as cut), ``answer_empty`` (no follow-up), ``made`` (follow-ups
     sampled), ``kept`` (two-turn rows) and the follow-ups dropped by filter. A row with a system turn
     (``keep_system``) keeps it. Raises ``RuntimeError`` where a first answer failed (cached answers kept)."""
     chosen = [r for r in rows if goes_on(settings, r["row"])]
@@ -81,12 +84,11 @@ def with_follow_ups(rows: list[dict], source: str, settings: SelfMade, answer: C
                            "ones are cached: rerun to retry the failed ones")
     ready = []
     for r, a in zip(chosen, answered):
-        reason = ("answer_unfinished" if a.unfinished
-                  else "answer_empty" if not a.messages[-1]["content"].strip() else None)
-        if reason:
-            counts[reason] += 1
+        counts["answer_unfinished"] += bool(a.unfinished)
+        if a.messages[-1]["content"].strip():
+            ready.append((r, a))
         else:
-            ready.append((r, a.messages))
+            counts["answer_empty"] += 1
     path = cache_path(prompts_cache, settings, answer.key, engine and engine.name)
     batches = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     size = settings.batch_size
@@ -98,8 +100,8 @@ def with_follow_ups(rows: list[dict], source: str, settings: SelfMade, answer: C
         path.write_text("".join(json.dumps(b) + "\n" for b in batches))
     for index in range(len(batches), len(wanted)):
         part = ready[index * size:(index + 1) * size]
-        prefixes = [pre_query(tokenizer, FOLLOW_UP, [m for m in messages if m["role"] != "system"])
-                    for _, messages in part]
+        prefixes = [pre_query(tokenizer, FOLLOW_UP, [m for m in a.messages if m["role"] != "system"])
+                    for _, a in part]
         made = sample_user_turns(model, tokenizer, settings, prefixes, follow_up_seed(settings, index), engine)
         batch = [{**m, "row": r["row"]} for (r, _), m in zip(part, made)]
         with open(path, "a") as f:  # a whole batch per line: a killed run resumes after its last one
@@ -114,6 +116,7 @@ def with_follow_ups(rows: list[dict], source: str, settings: SelfMade, answer: C
     counts["kept"] += len(keeper.kept)
     counts.update(keeper.drops)
     follow = {c["row"]: c["text"] for c in keeper.kept}
-    conversation = {r["row"]: messages for r, messages in ready}
-    return [{"messages": [*conversation[r["row"]], {"role": "user", "content": follow[r["row"]]}], "answered": 1,
+    first = {r["row"]: a for r, a in ready}
+    return [{"messages": [*first[r["row"]].messages, {"role": "user", "content": follow[r["row"]]}], "answered": 1,
+             **({"unfinished": first[r["row"]].unfinished} if first[r["row"]].unfinished else {}),
              "topic": r["topic"], "row": r["row"]} if r["row"] in follow else r for r in rows]

@@ -98,8 +98,7 @@ def test_the_target_writes_follow_ups_after_its_own_answers_and_trains_on_both_t
     (path, made), = report.self_made.items()
     follow = made["follow_ups"]
     assert follow["asked"] == sum(fu.goes_on(cfg.self_made, r) for r in range(12)) > 0
-    no_answer = sum(follow.get(f"answer_{k}", 0) for k in ("unfinished", "empty"))
-    assert follow["asked"] == follow["made"] + no_answer
+    assert follow["asked"] == follow["made"] + follow.get("answer_empty", 0)
     assert follow["made"] == follow["kept"] + sum(v for k, v in follow.items() if k in REASONS)
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     two_turn = [r for r in rows if "messages" in r]
@@ -108,6 +107,7 @@ def test_the_target_writes_follow_ups_after_its_own_answers_and_trains_on_both_t
     for r in two_turn:
         first_answer = r["messages"][1]
         assert first_answer["role"] == "assistant" and first_answer["token_ids"]
+        assert ("unfinished" in r) == (len(first_answer["token_ids"]) == cfg.generation.max_new_tokens)  # cut, kept
         ids = trained[r["row"]]["input_ids"]
         text = tokenizer.decode(ids)
         assert r["messages"][2]["content"] in text and first_answer["content"] in text
