@@ -13,9 +13,12 @@ a whole exchange (MT-Bench's second turns, a chat's later ones).
   retries it.
 - **Follow-ups** are sampled with the prompts' settings (temperature, top-p, token budget) in batches of
   ``batch_size`` chosen prompts, batch ``b`` from its own seed, cached per batch in
-  ``<prompts' cache>.follow_ups-<key>.jsonl`` (the key hashes the share, the engine and how the answers were made),
-  then filtered and deduplicated among themselves as the prompts are (:data:`~draftheads.data.self_made.REASONS`).
-  A prompt whose follow-up is dropped stays a one-turn row.
+  ``<prompts' cache>.follow_ups-<key>.jsonl`` (the key hashes the share, the engine and how the answers were made)
+  under what each follow-up was written after (its row and a hash of the conversation so far): a batch is reused
+  only for the same prompts and first answers, so a larger request keeps a smaller one's whole batches and samples
+  its own last one, and answers made again differently get new follow-ups. Then they are filtered and
+  deduplicated among themselves as the prompts are (:data:`~draftheads.data.self_made.REASONS`); a prompt whose
+  follow-up is dropped stays a one-turn row.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 from draftheads.data.conversations import Chat
+from draftheads.data.templates import apply_system_policy
 from draftheads.data.self_made import Keeper, Sampler, SelfMade, pre_query, sample_user_turns, template_tokens
 
 FOLLOW_UP = ("You are a helpful assistant. After your answer the user writes again: a follow-up question about it, "
@@ -36,6 +40,23 @@ FOLLOW_UP = ("You are a helpful assistant. After your answer the user writes aga
 
 def _system(row: dict) -> list[dict]:
     return [{"role": "system", "content": row["system"]}] if "system" in row else []
+
+
+def _after(row: dict, answered) -> str:
+    """What a follow-up is written after, as a key: the row and a hash of its conversation so far."""
+    turns = [{"role": m["role"], "content": m["content"]} for m in answered.messages]
+    return f'{row["row"]}:{hashlib.sha256(json.dumps(turns).encode()).hexdigest()[:16]}'
+
+
+def _read(path: Path) -> tuple[list[list[dict]], int]:
+    """The cached batches up to any line cut by a kill, and the number of lines."""
+    lines, batches = path.read_text().splitlines() if path.exists() else [], []
+    for line in lines:
+        try:
+            batches.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return batches, len(lines)
 
 
 def goes_on(settings: SelfMade, row: int) -> bool:
@@ -64,19 +85,21 @@ def with_follow_ups(rows: list[dict], source: str, settings: SelfMade, answer: C
     """``rows`` (:func:`~draftheads.data.self_made.self_made_prompts`' ``{"prompt", "topic", "row"}``, in order)
     with the chosen ones (:func:`goes_on`) made two-turn where the target wrote a follow-up that passed the
     filters: ``{"messages": [user, the target's answer with its token_ids, the follow-up], "answered": 1, "topic",
-    "row"}`` (and ``"unfinished": [1]`` where the answer was cut by the token budget). ``answer(chats)`` answers
-    one-turn conversations ``Chat(source, row, ...)`` as the job's regeneration does (cached, resumable),
-    returning results with ``messages``, ``unfinished`` and ``error``; its ``key`` says how
-    (:func:`~draftheads.data.regenerate.settings_key`), and keys the follow-ups' cache. ``counts`` gets ``asked``
-    (prompts chosen), ``answer_unfinished`` (kept as cut), ``answer_empty`` (no follow-up), ``made`` (follow-ups
-    sampled), ``kept`` (two-turn rows) and the follow-ups dropped by filter. A row with a system turn
-    (``keep_system``) keeps it. Raises ``RuntimeError`` where a first answer failed (cached answers kept)."""
+    "row"}`` (and ``"unfinished"`` holding the answer's index where it was cut by the token budget).
+
+    ``answer(chats)`` answers one-turn conversations ``Chat(source, row, ...)`` as the job's regeneration does
+    (cached, resumable), returning results with ``messages``, ``unfinished`` and ``error``; its ``key`` says how
+    (:func:`~draftheads.data.regenerate.settings_key`) and keys the follow-ups' cache; its ``system`` policy
+    (``data.system``) places a kept steering prompt (``keep_system``) as the job's rows have it. ``counts`` gets
+    ``asked`` (prompts chosen), ``answer_unfinished`` (kept as cut), ``answer_empty`` (no follow-up), ``made``
+    (follow-ups sampled), ``kept`` (two-turn rows) and the follow-ups dropped by filter. Raises ``RuntimeError``
+    where a first answer failed (the cached answers kept)."""
     chosen = [r for r in rows if goes_on(settings, r["row"])]
     counts["asked"] += len(chosen)
     if not chosen:
         return rows
-    answered = answer([Chat(source, r["row"], tuple(_system(r) + [{"role": "user", "content": r["prompt"]}]))
-                       for r in chosen])
+    answered = answer([Chat(source, r["row"], tuple(apply_system_policy(
+        tokenizer, _system(r) + [{"role": "user", "content": r["prompt"]}], answer.system))) for r in chosen])
     failed = [(r, a.error) for r, a in zip(chosen, answered) if a.error is not None]
     if failed:  # every rank then reads the same finished cache, and the rows are the same on every run
         raise RuntimeError(f"self-made follow-ups: the target failed to answer {len(failed)} of the {len(chosen)} "
@@ -90,25 +113,26 @@ def with_follow_ups(rows: list[dict], source: str, settings: SelfMade, answer: C
         else:
             counts["answer_empty"] += 1
     path = cache_path(prompts_cache, settings, answer.key, engine and engine.name)
-    batches = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     size = settings.batch_size
-    wanted = [[r["row"] for r, _ in ready[i:i + size]] for i in range(0, len(ready), size)]
-    reused = next((i for i, (b, w) in enumerate(zip(batches, wanted)) if [c["row"] for c in b] != w),
-                  min(len(batches), len(wanted)))
-    if reused < len(batches):  # a smaller request's last batch held fewer prompts: sampled again, whole
-        batches = batches[:reused]
-        path.write_text("".join(json.dumps(b) + "\n" for b in batches))
-    for index in range(len(batches), len(wanted)):
-        part = ready[index * size:(index + 1) * size]
-        prefixes = [pre_query(tokenizer, FOLLOW_UP, [m for m in a.messages if m["role"] != "system"])
-                    for _, a in part]
-        made = sample_user_turns(model, tokenizer, settings, prefixes, follow_up_seed(settings, index), engine)
-        batch = [{**m, "row": r["row"]} for (r, _), m in zip(part, made)]
-        with open(path, "a") as f:  # a whole batch per line: a killed run resumes after its last one
-            f.write(json.dumps(batch) + "\n")
+    wanted = [[_after(r, a) for r, a in ready[i:i + size]] for i in range(0, len(ready), size)]
+    cached, lines = _read(path)
+    if lines > len(cached):  # a line cut by a kill: the next batch appends after the whole ones
+        path.write_text("".join(json.dumps(b) + "\n" for b in cached))
+    by_after = {tuple(c["after"] for c in b): b for b in cached}
+    batches = []
+    for index, after in enumerate(wanted):
+        batch = by_after.get(tuple(after))
+        if batch is None:  # not made before for these prompts and first answers
+            part = ready[index * size:(index + 1) * size]
+            prefixes = [pre_query(tokenizer, FOLLOW_UP, [m for m in a.messages if m["role"] != "system"])
+                        for _, a in part]
+            made = sample_user_turns(model, tokenizer, settings, prefixes, follow_up_seed(settings, index), engine)
+            batch = [{**m, "row": r["row"], "after": key} for (r, _), m, key in zip(part, made, after)]
+            with open(path, "a") as f:  # a whole batch per line: a killed run resumes after its last one
+                f.write(json.dumps(batch) + "\n")
+            if show_progress:
+                print(f"self-made follow-ups: batch {index + 1} of {len(wanted)} made", flush=True)
         batches.append(batch)
-        if show_progress:
-            print(f"self-made follow-ups: {index + 1}/{len(wanted)} batches", flush=True)
     keeper = Keeper(settings, template_tokens(tokenizer))
     for c in (c for b in batches for c in b):
         keeper.offer(c)

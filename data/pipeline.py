@@ -176,10 +176,12 @@ def near_eval(chats: list, held_out: list[str], threshold: float = 0.7, shown: i
 class Answers:
     """The job's regeneration (:func:`~draftheads.data.regenerate.regenerate` with its backend, generation settings
     and cache) as a callable on conversations: the training rows', and the self-made follow-ups' first answers.
-    ``key`` is its settings key (:func:`~draftheads.data.regenerate.settings_key`): caches with it lend answers."""
+    ``key`` is its settings key (:func:`~draftheads.data.regenerate.settings_key`): caches with it lend answers;
+    ``system`` its system-prompt policy (``data.system``), which conversations it did not read are given first."""
 
     def __init__(self, backend, data_cfg, model_id: dict, tokenizer, cache_dir: str | Path, show_progress: bool):
         self.backend, self.generation, self.model_id, self.tokenizer = backend, data_cfg.generation, model_id, tokenizer
+        self.system = data_cfg.system
         self.cache_dir, self.show_progress = Path(cache_dir).expanduser(), show_progress
         self.key = settings_key(model_id, self.generation, backend.name, tokenizer.chat_template)
 
@@ -197,7 +199,8 @@ def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: s
     """``src`` itself, or for a ``self_made`` source a JSONL source over the first ``count`` prompts the target
     wrote (:func:`~draftheads.data.self_made.self_made_prompts`, cached; sampled by ``engine`` where one is given),
     some of them made two-turn by the target's follow-ups with ``self_made.follow_ups`` (:mod:`~draftheads.data.
-    follow_ups`, first answers by ``answers``), written to ``<cache>/self_made/<key>-<count>.jsonl``: every reader
+    follow_ups`, first answers by ``answers``), written to ``<cache>/self_made/<key>-<count>.jsonl`` (with
+    follow-ups ``<key>-<count>.follow_ups-<their key>.jsonl``): every reader
     downstream (rows, eval prompts, row numbering) reads it as any file. What the filters dropped and the
     prompts' diversity go into ``report.self_made``. Raises ``ValueError`` for follow-ups without ``answers`` (an
     eval set, or a job that does not regenerate)."""

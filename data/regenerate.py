@@ -50,6 +50,9 @@ class Regenerated:
     unfinished: list[int] = field(default_factory=list)
     error: str | None = None
     thinking: bool | None = None
+    answered: int = 0
+    """How many leading answers were given, not made here (``Chat.answered``): they lend to no conversation that
+    asks the target for them."""
 
 
 class Backend(Protocol):
@@ -276,8 +279,8 @@ def answer_turns(backend: Backend, chats: list[Chat]) -> list[Regenerated]:
             if not finished:
                 unfinished[i].append(len(histories[i]))
             histories[i].append(turn)
-    return [Regenerated(c.source, c.row, list(c.messages), error=e, thinking=c.thinking) if e else
-            Regenerated(c.source, c.row, h, u, thinking=c.thinking)
+    return [Regenerated(c.source, c.row, list(c.messages), error=e, thinking=c.thinking, answered=c.answered) if e
+            else Regenerated(c.source, c.row, h, u, thinking=c.thinking, answered=c.answered)
             for c, h, u, e in zip(chats, histories, unfinished, errors)]
 
 
@@ -334,8 +337,8 @@ def _borrow(chats: list[Chat], cache_file: Path, settings: str, into: Path) -> i
             continue
         for r in _read(lender):
             answers = sum(m["role"] == "assistant" for m in r.messages)
-            for k in (k for k in depths if r.error is None and k <= answers):
-                borrowed += [Regenerated(c.source, c.row, r.messages, r.unfinished, thinking=c.thinking)
+            for k in (k for k in depths if r.error is None and r.answered <= k <= answers):
+                borrowed += [Regenerated(c.source, c.row, r.messages, r.unfinished, thinking=c.thinking, answered=k)
                              for c in wanted.pop(_turns(r.messages, r.thinking, k), [])]
     if borrowed:
         with open(into, "a") as f:

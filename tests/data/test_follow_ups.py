@@ -10,10 +10,11 @@ from omegaconf import OmegaConf
 
 from draftheads.data import follow_ups as fu
 from draftheads.data.conversations import BadRow, Chat, to_chat
-from draftheads.data.pipeline import Answers, made_source, self_distilled_rows
-from draftheads.data.regenerate import Regenerated, TransformersBackend, answer_turns, cache_key, regenerate
-from draftheads.data.self_made import REASONS, SelfMade, cache_file
+from draftheads.data.pipeline import made_source, self_distilled_rows
+from draftheads.data.regenerate import Regenerated, answer_turns, cache_key, regenerate
+from draftheads.data.self_made import REASONS, SelfMade
 from draftheads.data.generation import GenerationSettings
+from draftheads.models.target import TargetSpec, load_target
 from draftheads.training.config import DataConfig
 from tests.helpers import quick_to_end
 
@@ -67,13 +68,20 @@ def test_a_conversation_with_kept_answers_borrows_only_where_the_lenders_answers
     out = regenerate(borrower, [same, other], 4, tmp_path / "borrower.jsonl", False, settings="same")
     assert out[0].messages == made[0].messages  # lent: the same first answer, so the same second one
     assert borrower.asked == [[U1, other.messages[1], U2]]  # only the other first answer was asked again
+    # an answer given, not made, lends to no conversation that asks the target for it
+    u3, u4 = {"role": "user", "content": "Name a blue bird."}, {"role": "user", "content": "And a green one?"}
+    regenerate(Recorder(), [Chat("k", 0, (u3, A1, u4), answered=1)], 4, tmp_path / "kept.jsonl", False,
+               settings="same")
+    asker = Recorder()
+    regenerate(asker, [Chat("c", 0, (u3, A1, u4))], 4, tmp_path / "asker.jsonl", False, settings="same")
+    assert asker.asked[0] == [u3]
 
 
 def test_which_prompts_go_on_is_a_share_fixed_per_row():
     settings = SelfMade(follow_ups=0.3)
     chosen = [r for r in range(2000) if fu.goes_on(settings, r)]
     assert 520 <= len(chosen) <= 680  # 600 expected; binomial sd about 20
-    assert chosen[:50] == [r for r in range(chosen[49] + 1) if fu.goes_on(settings, r)]  # any count: the same rows
+    assert chosen != [r for r in range(2000) if fu.goes_on(SelfMade(follow_ups=0.3, seed=1), r)]  # a seed's own
     assert not any(fu.goes_on(SelfMade(), r) for r in range(200))
     assert all(fu.goes_on(SelfMade(follow_ups=1.0), r) for r in range(200))
     with pytest.raises(ValueError, match="follow_ups"):
@@ -130,30 +138,67 @@ def test_follow_ups_are_refused_where_no_regeneration_answers_them_before_any_ge
         made_source(cfg, 8, model, tokenizer, {"tiny": "llama"}, tmp_path)
 
 
-def test_a_larger_request_keeps_a_smaller_ones_whole_batches_of_follow_ups(tiny, tmp_path):
-    """Follow-ups are cached per batch of chosen prompts: a larger request reuses the smaller one's whole batches (and
-    its answers, by the regeneration cache) and samples again only a last batch that held fewer prompts."""
+class FirstAnswers:
+    """The job's regeneration as :func:`~draftheads.data.follow_ups.with_follow_ups` sees it: answers ``<word> <row>``
+    to each prompt (``key`` and ``system`` as the job's)."""
+    key, system = "settings", "auto"
+
+    def __init__(self, word: str):
+        self.word = word
+
+    def __call__(self, chats):
+        return [Regenerated(c.source, c.row, [*c.messages, {"role": "assistant", "content": f"{self.word} {c.row}"}])
+                for c in chats]
+
+
+def follow(tiny, tmp_path, count: int, word: str = "Sure", **settings) -> tuple[list[dict], int]:
+    """The rows of ``count`` prompts after :func:`with_follow_ups` (every prompt going on, batches of 4), and how
+    many batches it sampled."""
     model, tokenizer = tiny
-    cfg = config(follow_ups=0.5, batch_size=4)
-    answers = Answers(TransformersBackend(model, tokenizer, cfg.generation), cfg, {"tiny": "llama"}, tokenizer,
-                      tmp_path, False)
-    batches = {}
-    for count in (8, 16):
-        with quick_to_end(model, tokenizer):
-            made_source(cfg, count, model, tokenizer, {"tiny": "llama"}, tmp_path, show_progress=False,
-                        answers=answers)
-        cached = fu.cache_path(cache_file(cfg.self_made, {"tiny": "llama"}, tokenizer.chat_template, tmp_path),
-                               cfg.self_made, answers.key, None)
-        batches[count] = [json.loads(line) for line in cached.read_text().splitlines()]
-    whole = [b for b in batches[8] if len(b) == 4]
-    assert whole and batches[16][:len(whole)] == whole
-    assert sum(map(len, batches[16])) > sum(map(len, batches[8]))
+    sampled = []
+    real = fu.sample_user_turns
+    rows = [{"prompt": f"Tell me about the number {i} please", "topic": "chat", "row": i} for i in range(count)]
+    try:
+        fu.sample_user_turns = lambda *a, **k: sampled.append(1) or real(*a, **k)
+        out = fu.with_follow_ups(rows, "src", SelfMade(follow_ups=1.0, batch_size=4, min_words=1, **settings),
+                                 FirstAnswers(word), model, tokenizer, tmp_path / "prompts.jsonl", Counter(), False)
+    finally:
+        fu.sample_user_turns = real
+    return out, len(sampled)
+
+
+def test_follow_ups_are_reused_only_after_the_same_prompts_and_first_answers(tiny, tmp_path):
+    """Cached per batch under what they followed: a larger request reuses a smaller one's whole batches and samples
+    its own last one; a smaller request after a larger one samples only its own last batch and spoils nothing; first
+    answers made again differently (another regeneration cache, at temperature > 0) get new follow-ups."""
+    with quick_to_end(*tiny):
+        small, n = follow(tiny, tmp_path, 6)
+        assert n == 2  # batches of 4 and 2
+        large, n = follow(tiny, tmp_path, 16)
+        assert n == 3 and large[:4] == small[:4]  # the whole first batch reused; the batch of 2 became one of 4
+        assert follow(tiny, tmp_path, 6) == (small, 0) and follow(tiny, tmp_path, 16) == (large, 0)
+        other, n = follow(tiny, tmp_path, 6, word="Well")
+    assert n == 2 and all(r["messages"][1]["content"].startswith("Well") for r in other if "messages" in r)
+
+
+def test_a_kept_steering_prompt_is_placed_as_the_job_places_it_in_a_template_without_system_turns(cache_dir,
+                                                                                                     tmp_path):
+    """keep_system on a target whose template takes no system turn (Mistral's): the first answer is asked with the
+    steering prompt folded into the user's turn (data.system=auto), as the job's rows are rendered."""
+    model, tokenizer, _ = load_target(TargetSpec(name_or_path="tiny://mistral"), cache_dir)
+    cfg = config(follow_ups=1.0, keep_system=True)
+    with quick_to_end(model, tokenizer):
+        train, val, report = self_distilled_rows(cfg, model, tokenizer, {"tiny": "mistral"}, tmp_path, False)
+    (path, made), = report.self_made.items()
+    two_turn = [json.loads(line) for line in Path(path).read_text().splitlines() if '"messages"' in line]
+    assert two_turn and all(r["messages"][0]["role"] == "user" and r["messages"][0]["content"].startswith("You are")
+                            for r in two_turn)
 
 
 def test_a_first_answer_the_target_failed_on_stops_the_job_naming_it():
     def answer(chats):
         return [Regenerated(c.source, c.row, list(c.messages), error="HTTP 500" if c.row == 1 else None) for c in chats]
-    answer.key = "k"
+    answer.key, answer.system = "k", "auto"
     rows = [{"prompt": f"Question number {i} here", "topic": "chat", "row": i} for i in range(3)]
     with pytest.raises(RuntimeError, match=r"failed to answer 1 of the 3 .*prompt 1: HTTP 500.*rerun"):
         fu.with_follow_ups(rows, "src", SelfMade(follow_ups=1.0), answer, None, None, Path("p.jsonl"), Counter())
