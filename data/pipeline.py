@@ -221,9 +221,10 @@ def made_source(src, count: int, target, tokenizer, model_id: dict, cache_dir: s
         path = path.with_name(f"{path.stem}.{followed.stem.split('.')[-1]}.jsonl")
         rows = follow_ups.with_follow_ups(rows, str(path), settings, answers, target, tokenizer, prompts_cache,
                                           follow, show_progress, engine)
-    if not path.exists():
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    if not path.exists() or path.read_text() != text:  # the filters are no part of the name: another's file
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.write_text(text)
         os.replace(tmp, path)
     if len(rows) < count:
         print(f"WARNING: self-made prompts: {len(rows)} of the {count} asked survived the filters in "

@@ -147,6 +147,11 @@ def test_a_self_made_source_becomes_a_file_every_reader_reads_and_its_report(tin
     rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
     assert len(rows) == 8 and len(train) + len(val) == 8 - report.skipped.get("too_long", 0)
     assert train[0]["source"] == path
+    # other filters over the same cached candidates: the same file, rewritten with what they keep
+    stricter = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), {"self_made": {"min_words": 6}}))
+    with quick_to_end(model, tokenizer):
+        self_distilled_rows(stricter, model, tokenizer, {"tiny": "llama"}, tmp_path, False)
+    assert all(len(sm.words(json.loads(line)["prompt"])) >= 6 for line in Path(path).read_text().splitlines())
 
 
 def test_training_prompts_that_near_duplicate_eval_prompts_are_flagged():
