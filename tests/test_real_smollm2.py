@@ -79,14 +79,15 @@ def test_speculative_greedy_matches_plain_greedy_on_the_real_target(smollm2):
 
 @pytest.fixture(scope="module")
 def short_real_run(tmp_path_factory, cache_dir):
-    """The default job scaled down: 24 prompts, stage 1 and 2, 2 eval prompts per set."""
+    """The default job scaled down: 24 rows of its mixture (the target's own prompts and chitchat's), stage 1 and 2,
+    a few prompts of each eval set (the general one written by the target too)."""
     out = tmp_path_factory.mktemp("short_real")
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose("medusa", overrides=[
             f"output_dir={out}", f"cache_dir={cache_dir}", "tracker=none", "data.num_train_prompts=24",
             "data.num_val_prompts=4", "data.generation.max_new_tokens=32", "stage1.epochs=3", "stage2.max_steps=2",
             "stage2.unfreeze_last_n_layers=1", "eval.max_new_tokens=24", "eval.sets.0.num_prompts=2",
-            "eval.sets.1.num_prompts=1"])
+            "eval.sets.1.num_prompts=1", "eval.sets.2.num_prompts=1"])
     return out, run(cfg)
 
 
@@ -94,6 +95,8 @@ def test_a_short_real_run_beats_chance_and_stays_lossless(short_real_run):
     out, report = short_real_run
     for m in report["eval"].values():
         assert greedy_lossless(m), m["mismatches"]
+    made, = report["data"]["self_made"].values()  # two thirds of the rows: prompts SmolLM2 wrote itself
+    assert made["used"] == 16 + 3 and made["kept"] >= made["used"] and report["eval"]["general"]["num_prompts"] == 2
     assert report["validation"]["val/head1_top1"] > 0.05  # chance is 1/49152
     assert report["validation"]["drift/greedy_agreement"] > 0.9
     assert json.loads((out / "export" / "vllm" / "config.json").read_text())["hidden_size"] == 576
