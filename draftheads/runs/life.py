@@ -114,6 +114,8 @@ def open_job(cfg: DictConfig, recipe: Recipe | None = None) -> Job:
     all before anything in output_dir is deleted or rewritten.
     """
     conf, spec = to_schema(cfg), recipe.spec if recipe is not None else None
+    if not conf.data.mixture and cfg.data.mixture:  # a single source named replaced the preset's mixture
+        cfg.data.mixture = []  # (DataConfig): the saved config and the tracker's say what trains
     if spec is not None and conf.drafter != spec.name:
         raise ValueError(f"drafter={conf.drafter!r}: this job trains {spec.name!r} (use train/{conf.drafter}.py)")
     drafters.check_method_names(conf.eval.peers or ())

@@ -144,7 +144,10 @@ class DataConfig(PromptSource):
     """Training conversations (from any :class:`PromptSource`), answered by the target itself
     (self-distillation). Validation rows are chitchat's val split, or else the end of the source's list."""
     mixture: list[MixtureSource] = field(default_factory=list)
-    """Several sources with weights; when set, the source fields above are ignored."""
+    """Several sources with weights; when set, the source fields above are ignored, unless they name a single
+    source of their own (``data.path``, or a ``data.source`` other than chitchat): that source then replaces the
+    mixture, so ``data.source=jsonl data.path=...`` trains on the file under a job whose default data is a mixture
+    (``data=general``)."""
     format: Format = Format.auto
     """Row format: messages (OpenAI role/content), sharegpt (conversations from/value), prompt (prompt, question,
     instruction(+input) or turns), tokenized (input_ids + loss_mask, used as given); auto tells them apart."""
@@ -206,6 +209,8 @@ class DataConfig(PromptSource):
     template with no switch is refused. See docs/data.md, "Reasoning modes"."""
 
     def __post_init__(self):
+        if self.mixture and (self.path is not None or self.source != Source.chitchat):
+            self.mixture = []  # a single source named (the command line's) replaces the preset's mixture
         if self.target_batch_size < 1:
             raise ValueError(f"data.target_batch_size={self.target_batch_size} must be >= 1")
         if self.thinking_fraction is not None and not 0 <= self.thinking_fraction <= 1:

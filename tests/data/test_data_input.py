@@ -63,7 +63,7 @@ def write_jsonl(path: Path, lines: list[bytes]) -> Path:
 
 
 def data_cfg(path, **overrides) -> DataConfig:
-    base = {"source": "jsonl", "path": str(path), "num_train_prompts": 100, "num_val_prompts": 1,
+    base = {"source": "jsonl", "path": path and str(path), "num_train_prompts": 100, "num_val_prompts": 1,
             "max_length": 64, "overlong": "drop", "regenerate": False}
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), {**base, **overrides}))
 
@@ -146,7 +146,7 @@ def test_mixtures_draw_rows_in_proportion_to_their_weights(tiny, tmp_path):
     model, tokenizer = tiny
     a = write_jsonl(tmp_path / "a.jsonl", [json.dumps(GOOD[0]).encode()] * 20)
     b = write_jsonl(tmp_path / "b.jsonl", [json.dumps(GOOD[1]).encode()] * 20)
-    cfg = data_cfg(a, num_train_prompts=12, num_val_prompts=4,
+    cfg = data_cfg(None, source="chitchat", num_train_prompts=12, num_val_prompts=4,  # no source of its own
                    mixture=[{"source": "jsonl", "path": str(a), "weight": 3}, {"source": "jsonl", "path": str(b)}])
     train, val, report = self_distilled_rows(cfg, model, tokenizer, {}, "/unused", False)
     assert [r["source"] for r in train] == [str(a)] * 9 + [str(b)] * 3

@@ -240,3 +240,12 @@ def test_invalid_sampling_settings_fail_when_the_config_is_made(override):
     """Not after training (NaN probabilities used to crash the evaluation and lose the report)."""
     with pytest.raises(ValueError, match="0 < top_p <= 1"):
         to_schema(_compose(override))
+
+
+def test_a_single_source_named_replaces_the_default_mixture():
+    """``data.source=jsonl data.path=...`` trains on the file under a job whose default data is the general mixture;
+    without a source of its own the mixture stays."""
+    assert len(to_schema(_compose()).data.mixture) == 2
+    named = to_schema(_compose("data.source=jsonl", "data.path=rows.jsonl")).data
+    assert named.mixture == [] and named.source.value == "jsonl" and named.path == "rows.jsonl"
+    assert to_schema(_compose("data.source=self_made")).data.mixture == []
