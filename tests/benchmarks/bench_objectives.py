@@ -6,11 +6,11 @@ by side on the same rows, steps and seed (not part of the test run).
     python tests/benchmarks/bench_objectives.py --drafters eagle3 --settings fp8_cache,fp8_cache+seed1
     python tests/benchmarks/bench_objectives.py --table               # the table of the runs already made
 
-Each run is ``python train/<drafter>.py`` (its default config: SmolLM2, the main job's regenerated chitchat
-rows, seed 0) with the setting's overrides and :data:`BUDGET`'s shorter training (the same for every setting of
-a drafter), evaluation off; then ``python train/evaluate.py`` on it at temperatures 0 and 0.7 on the shipped
-held-out sets (:data:`EVAL`). The runs stay in ``--out`` (default ``runs/bench_objectives``); a finished one is
-not trained again.
+Each run is ``python train/<drafter>.py`` (its default config on chitchat's rows, ``data=chitchat``, as every table
+of docs/objectives.md was measured: SmolLM2, the target's regenerated answers, seed 0) with the setting's overrides
+and :data:`BUDGET`'s shorter training (the same for every setting of a drafter), evaluation off; then ``python
+train/evaluate.py`` on it at temperatures 0 and 0.7 on the shipped held-out sets (:data:`EVAL`). The runs stay in
+``--out`` (default ``runs/bench_objectives``); a finished one is not trained again.
 
 Columns: ``tau`` the acceptance length as the servers count it on each set at T=0 and T=0.7 (the drafter's
 chain; for Medusa also its tree), ``alpha per position`` the chitchat chain's acceptance rate at positions 1-5 at
@@ -79,7 +79,8 @@ conf/eval/builtin.yaml)."""
 def run(drafter: str, setting: str, out: Path, extra: list[str]) -> dict:
     """Train (unless finished) and evaluate one run; its numbers."""
     folder = out / f"{drafter}_{setting}"
-    overrides = [o.format(d=drafter) for name in setting.split("+") for o in SETTINGS[name]] + BUDGET[drafter] + extra
+    overrides = (["data=chitchat"] + [o.format(d=drafter) for name in setting.split("+") for o in SETTINGS[name]]
+                 + BUDGET[drafter] + extra)
     report_path = folder / "report.json"
     record_path = folder / "bench.json"
     if not record_path.exists():

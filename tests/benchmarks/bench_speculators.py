@@ -19,15 +19,15 @@ drafter's). Speculators' environment is made on first use (``$DRAFTHEADS_CACHE/s
 2.13, then ``speculators==0.9.0`` with its pins, transformers <= 5.19); ``speculators_driver.py`` runs its
 ``speculators train`` there, with two run-time patches for a machine without an accelerator (its docstring).
 
-Shared, per drafter: the job's training rows (``job_rows``: the target's own regenerated chitchat answers, at
-``data.max_length``; rows the recipe cannot train on left out) and held-out rows (speculators validates on them
-every epoch, as its ``--train-data-ratio`` tail); the target states; the drafter's size (EAGLE-3: one layer, the
-target's width, the 16,384-token draft vocabulary from the training rows' trained-token counts, 7 training-time
-test steps, layers 1/14/26 (vLLM ids 2/15/27); DFlash: one Qwen3 layer, blocks of 16, layers 1/8/14/20/27, mask
-token 16); the optimizer steps (draftheads' count for its epochs, capped by ``max_steps``; speculators' epochs are
-its sampler's, with ``--max-steps``); micro-batches of ``trainer.tokens_per_batch`` (1280) tokens (speculators
-packs rows up to that many tokens, draftheads up to rows x longest row); gradient clipping at 1; bf16 autocast;
-the seed.
+Shared, per drafter: the job's training rows (``job_rows``: the target's own regenerated chitchat answers,
+:data:`FIXED`, at ``data.max_length``; rows the recipe cannot train on left out) and held-out rows (speculators
+validates on them every epoch, as its ``--train-data-ratio`` tail); the target states; the drafter's size (EAGLE-3:
+one layer, the target's width, the 16,384-token draft vocabulary from the training rows' trained-token counts, 7
+training-time test steps, layers 1/14/26 (vLLM ids 2/15/27); DFlash: one Qwen3 layer, blocks of 16, layers
+1/8/14/20/27, mask token 16); the optimizer steps (draftheads' count for its epochs, capped by ``max_steps``;
+speculators' epochs are its sampler's, with ``--max-steps``); micro-batches of ``trainer.tokens_per_batch`` (1280)
+tokens (speculators packs rows up to that many tokens, draftheads up to rows x longest row); gradient clipping at 1;
+bf16 autocast; the seed.
 
 Speculators' modes:
 
@@ -111,8 +111,10 @@ TORCH = "torch==2.13.0"
 ``torch<=2.14.1``."""
 SPECULATORS = "speculators==0.9.0"
 
-FIXED = ["tracker=none", "eval.enabled=false"]
-"""Draftheads trains and exports; every export is evaluated here afterwards, alike."""
+FIXED = ["data=chitchat", "eval=shipped", "tracker=none", "eval.enabled=false"]
+"""Draftheads trains and exports; every export is evaluated here afterwards, alike. On chitchat's rows and the
+shipped held-out sets, as every table of docs/benchmarks.md was measured (the jobs' default is the general mixture
+since 756ffe1: ``data=general eval=builtin`` on the command line measures that)."""
 EVAL = ["eval.enabled=true", "eval.prompt_lookup_tokens=0", "eval.peers=[]", "eval.peer_runs=[]"]
 OPTIONS = ("drafters=", "modes=", "epochs=", "max_steps=", "check_rows=", "rows=", "parity=", "vllm_venv=",
            "speculators_venv=", "draftheads=")
