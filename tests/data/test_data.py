@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 import draftheads.data.regenerate as regen_mod
 import pytest
 import torch
+from omegaconf import OmegaConf
 from draftheads.data.batching import (
     BatchPlan,
     DataReport,
@@ -393,8 +394,10 @@ def test_training_rows_beyond_the_processes_equal_shares_are_counted_as_left_out
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps({"input_ids": [5 + i] * 30, "loss_mask": [0] * 10 + [1] * 20}) + "\n"
                             for i in range(12)))
-    job = open_job(smoke("medusa", tmp_path / "run", cache_dir, "data.source=jsonl", f"data.path={path}",
-                         "data.regenerate=false", "data.num_train_prompts=11", "data.num_val_prompts=1"))
+    job = open_job(smoke("medusa", tmp_path / "run", cache_dir, "data=general", "data.source=jsonl",
+                         f"data.path={path}", "data.regenerate=false", "data.num_train_prompts=11",
+                         "data.num_val_prompts=1"))  # the file named replaces the mixture, in the saved config too
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").data.mixture == [] == job.conf.data.mixture
     train, _, report = job_rows(replace(job, accelerator=RankZeroOfTwo(job.accelerator)), attach=False)
     assert len(train) == 11  # 10 trained, 1 left out; and 1 held out
     assert (report.rows_in, report.rows_out, report.rows_left_out) == (12, 11, 1)
