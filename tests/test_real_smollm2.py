@@ -86,8 +86,8 @@ def short_real_run(tmp_path_factory, cache_dir):
         cfg = compose("medusa", overrides=[
             f"output_dir={out}", f"cache_dir={cache_dir}", "tracker=none", "data.num_train_prompts=24",
             "data.num_val_prompts=4", "data.generation.max_new_tokens=32", "stage1.epochs=3", "stage2.max_steps=2",
-            "stage2.unfreeze_last_n_layers=1", "eval.max_new_tokens=24", "eval.sets.0.num_prompts=2",
-            "eval.sets.1.num_prompts=1", "eval.sets.2.num_prompts=1"])
+            "stage2.unfreeze_last_n_layers=1", "eval.max_new_tokens=16", "eval.sets.0.num_prompts=2",
+            "eval.sets.1.num_prompts=1", "eval.sets.2.num_prompts=1", "eval.sets.0.self_made.batch_size=8"])
     return out, run(cfg)
 
 
