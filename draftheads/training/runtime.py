@@ -5,6 +5,8 @@ Scripts never read RANK or WORLD_SIZE themselves; ``accelerate launch`` sets the
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import secrets
 from datetime import timedelta
@@ -57,6 +59,10 @@ def make_accelerator(cfg: DictConfig) -> Accelerator:
     check_optimizer(cfg.trainer.optimizer, sharded(accelerator))
     keep_models_whole(accelerator)
     set_seed(cfg.trainer.seed)
+    # At exit the interpreter would collect torch's, transformers' and DeepSpeed's module graphs object by object:
+    # about 1 s a process on one core (3 s of a 17 s two-rank smoke launch sharing it). Freezing what exists by
+    # then leaves it to the OS; every file the job writes is closed before (atexit runs after the job returns).
+    atexit.register(gc.freeze)
     return accelerator
 
 
