@@ -82,8 +82,10 @@ def train(name: str, cfg: DictConfig) -> dict:
         if served := llamacpp_preflight(job, recipe):
             preflight["llama.cpp"] = served
         job.accelerator.wait_for_everyone()
-        train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target),
-                                                     attach=job.conf.data.target_states != TargetStates.online,
+        # a run stopped after its save (during its export or evaluation) neither trains nor validates again: its
+        # rows need no target states (the DSpark default job's took 1.5 minutes to compute, for nothing)
+        attach = job.conf.data.target_states != TargetStates.online and "save" not in job.finished
+        train_rows, val_rows, data_report = job_rows(job, recipe.state_layers(job.conf, job.target), attach=attach,
                                                      unusable=recipe.unusable)
         trained = recipe.train(job, train_rows)
         report = {}

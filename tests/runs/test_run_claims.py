@@ -135,13 +135,16 @@ def test_evaluate_and_export_refuse_a_run_another_job_holds_before_reading_it(ru
 
 
 def test_a_run_stopped_during_its_evaluation_resumes_by_evaluating_only(run, cache_dir, monkeypatch):
-    """Row 12: a resume after Ctrl-C during the evaluation ran validation, the save and the export again."""
+    """Row 12: a resume after Ctrl-C during the evaluation ran validation, the save and the export again (and
+    computed the target states of every row again)."""
     record_finished(run, "medusa", ["training", "validation", "save", "export"])  # killed while evaluating
     report_before = json.loads((run / "report.json").read_text())
     heads = (run / "medusa_heads" / "medusa_heads.safetensors").read_bytes()
     recipe = type(drafters.get("medusa"))
     for step in ("validate", "save", "export", "write_serving"):
         monkeypatch.setattr(recipe, step, lambda *a, _s=step, **k: pytest.fail(f"{_s} ran again"))
+    monkeypatch.setattr("draftheads.runs.rows.attach_hidden_states",
+                        lambda *a, **k: pytest.fail("target states computed again for rows nothing trains on"))
     report = run_medusa(smoke("medusa", run, cache_dir, *SHORT, "resume=true"))
     assert json.loads((run / LEDGER).read_text())["finished"][-1] == "evaluation"
     assert report["validation"] == report_before["validation"] and report["eval"]["chitchat"]["num_prompts"] == 2
