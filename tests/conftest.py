@@ -28,6 +28,14 @@ def pytest_configure(config):
     torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(items):
+    """The modules that hold slow tests first, in their own order: ``--dist loadfile`` hands whole modules to the
+    workers in the order collected, and the longest ones (``tests/training``, collected last) started last would
+    leave one worker running alone at the end while the other has finished."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within each part is kept
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("draftheads-cache")
