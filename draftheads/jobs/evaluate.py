@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,12 +15,12 @@ from draftheads.data.templates import stop_token_ids
 from draftheads.evaluation.evaluator import NOTES, format_table, hardware, write_report_and_plot
 from draftheads.evaluation.methods import load_eval_sets, unmeasured_peers
 from draftheads.jobs.cli import parse_args
-from draftheads.models.target import context_window, model_identity
+from draftheads.models.target import context_window, load_target, model_identity
 from draftheads.run_folder import REPORT, TARGET, read_report
 from draftheads.runs.life import eval_set_maker, evaluate_drafter
 from draftheads.runs.output_dir import holding
 from draftheads.runs.preflight import vllm_serving
-from draftheads.runs.saved import load_peer_runs, open_run
+from draftheads.runs.saved import SavedRun, load_peer_runs, open_run
 from draftheads.serving.vllm_eval import evaluate_in_vllm
 
 
@@ -61,8 +63,7 @@ def _evaluate(run_dir: Path, overrides: list[str], weights: str | None, backend:
                                       conf.eval.unusable_peers)
         sets = evaluate_drafter(conf, run.recipe, run.trained, run.target, run.tokenizer,
                                 load_eval_sets(conf.eval, run.tokenizer, context_window(run.target),
-                                               eval_set_maker(run.target, run.tokenizer,
-                                                              model_identity(run.target, conf.model), conf.cache_dir)),
+                                               configured_target_writes(run, conf)),
                                 peers)
         notes += unmeasured_peers(conf.eval, sets)
     source = str(Path(run_dir) / weights) if weights else "run"
@@ -79,6 +80,24 @@ def _evaluate(run_dir: Path, overrides: list[str], weights: str | None, backend:
     print(format_table(sets))
     print(f"report: {write_report_and_plot(report, run_dir)}")
     return report
+
+
+def configured_target_writes(run: SavedRun, conf) -> Callable:
+    """``make(set, count)`` for :func:`~draftheads.evaluation.methods.load_eval_sets`: a self-made set's prompts
+    written by the target the run's config names (``model``), as the training job writes them before it trains,
+    so that every run on that target, and every evaluation of it, reads the same prompts. A run evaluated on a
+    target of its own (Medusa's stage-2 target) would write them with its trained weights, and under the cache key
+    of the configured target (:func:`~draftheads.models.target.model_identity` names a target, not its weights):
+    whichever run wrote a set first would have set it for every later one. That target is loaded (whole, once) for
+    a self-made set only; the cached prompts are read without sampling."""
+    if run.recipe.target_of(run.folder, conf) == conf.model:
+        return eval_set_maker(run.target, run.tokenizer, model_identity(run.target, conf.model), conf.cache_dir)
+
+    @functools.cache
+    def writer() -> Callable:
+        target, tokenizer, _ = load_target(conf.model, conf.cache_dir)
+        return eval_set_maker(target, tokenizer, model_identity(target, conf.model), conf.cache_dir)
+    return lambda src, count: writer()(src, count) if src.source == "self_made" else src
 
 
 def check_writable_report(run_dir: Path) -> None:

@@ -69,6 +69,20 @@ def test_a_copy_is_evaluated_on_its_own_target(moved, tmp_path):
     assert open_run(copy).target_path == str(copy / "export" / "target")
 
 
+def test_a_self_made_eval_set_is_written_by_the_configured_target_not_by_a_stage_2_target(moved, base_run, tmp_path):
+    """Evaluated in an empty cache on a self-made set, a run with its own stage-2 target and a run on the configured
+    target read the same prompts: the configured target writes them, as the training job does before it trains.
+    Written by the stage-2 weights (before), they were other prompts, cached under the configured target's key."""
+    general = "eval.sets=[{name: general, source: self_made, num_prompts: 4, self_made: {seed: 3, batch_size: 8}}]"
+    made = {}
+    for name, folder in (("stage2", moved[0]), ("base", base_run)):
+        cache = tmp_path / f"cache_{name}"
+        evaluate_run(_copy(folder, tmp_path / name), [general, f"cache_dir={cache}", "eval.max_new_tokens=4"])
+        files = sorted((cache / "self_made").glob("*-4.jsonl"))
+        made[name] = [json.loads(line)["prompt"] for f in files for line in f.read_text().splitlines()]
+    assert len(made["stage2"]) == 4 and made["stage2"] == made["base"]
+
+
 def test_a_run_missing_its_stage_2_target_is_refused_not_evaluated_on_the_base_target(moved, tmp_path):
     copy = _copy(moved[0], tmp_path / "copy")
     shutil.rmtree(copy / "export" / "target")
