@@ -88,8 +88,8 @@ def configured_target_writes(run: SavedRun, conf) -> Callable:
     so that every run on that target, and every evaluation of it, reads the same prompts. A run evaluated on a
     target of its own (Medusa's stage-2 target) would write them with its trained weights, and under the cache key
     of the configured target (:func:`~draftheads.models.target.model_identity` names a target, not its weights):
-    whichever run wrote a set first would have set it for every later one. That target is loaded (whole, once) for
-    a self-made set only; the cached prompts are read without sampling."""
+    whichever run wrote a set first would have set it for every later one. That target is loaded (whole, once) when
+    a self-made set is asked, even one already cached, and for no other set."""
     if run.recipe.target_of(run.folder, conf) == conf.model:
         return eval_set_maker(run.target, run.tokenizer, model_identity(run.target, conf.model), conf.cache_dir)
 
