@@ -13,6 +13,7 @@ Sources (one :class:`TargetSpec` each):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -132,9 +133,25 @@ def _gguf_location(name_or_path: str) -> Path:
     return path
 
 
+@contextmanager
+def _one_gguf_parse() -> Iterator[None]:
+    """transformers reads a GGUF's header afresh for the tokenizer, the config and the weights
+    (``load_gguf_checkpoint`` builds a ``gguf.GGUFReader`` each time, field by field: about 8 s for Gemma 3's
+    262,144-entry vocabulary); within this block one reader per path serves all three. The conversion of Gemma 3
+    270M takes 29 s instead of 48 s, SmolLM2-135M's 12 s instead of 17 s (2 AMD EPYC cores, 2026-12-07)."""
+    import gguf
+    reader = gguf.GGUFReader
+    gguf.GGUFReader = functools.cache(reader)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = reader
+
+
 def _convert_gguf(gguf: Path, out: Path) -> None:
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with _one_gguf_parse():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are already dequantised to float32
