@@ -22,7 +22,6 @@ from draftheads.data.state_cache import (
 from draftheads.models.target import record_layer_outputs
 from safetensors.torch import load_file, save_file
 
-from draftheads import drafters
 from draftheads.jobs.cache import cache_states
 from draftheads.runs.life import train
 from tests.helpers import (
@@ -287,11 +286,14 @@ def test_vllm_layer_ids_are_ours_plus_one_and_the_last_state_is_normed_here(tiny
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_VENV, reason="needs vLLM's environment: DRAFTHEADS_VLLM_VENV (.ci/run makes one)")
-@pytest.mark.parametrize("job", sorted(drafters.DRAFTERS))
+@pytest.mark.parametrize("job", ["medusa", "dspark"])
 def test_vllm_makes_the_cache_the_in_process_target_makes(job, tmp_path, cache_dir):
     """target_backend=vllm: vLLM's states (its layer ids mapped to ours, the last state normed here) equal the
     in-process target's within float32 noise, in a cache training accepts; a run on the partial target trained
-    from it follows the run trained from the in-process cache."""
+    from it follows the run trained from the in-process cache. Two drafters cover every kind of layer a cache
+    holds: Medusa's stage-2 pair (the layer before the trained ones and the last), DSpark's evenly spaced layers
+    and the last one its confidence head reads (EAGLE-3 and the DFlash drafters read layers of the same kind; each
+    drafter trains from a disk cache on the partial target in tests/jobs/test_partial_target.py)."""
     own = [*short_settings(job), *VLLM_TINY, "eval.enabled=false", "data.target_states_dtype=float32",
            "data.cache_shard_rows=16"]
     ours, theirs = tmp_path / "hs-transformers", tmp_path / "hs-vllm"

@@ -32,8 +32,21 @@ MEDUSA = [*SMOKE_STAGES, "trainer.mixed_precision=no", "trainer.keep_last=100"]
 
 @pytest.fixture(scope="module")
 def ddp_medusa(tmp_path_factory, cache_dir):
+    """The DDP run every engine is held to (a rank whose micro-batches outnumbered the other's would hang the
+    gradient all-reduce: 2 minutes, not the default timeout, end it)."""
     out = tmp_path_factory.mktemp("ddp_medusa")
-    return out, launch("medusa", out, cache_dir, *MEDUSA)
+    return out, launch("medusa", out, cache_dir, *MEDUSA, "trainer.collective_timeout_min=2")
+
+
+def test_ddp_ranks_pack_their_own_shares_and_train(ddp_medusa):
+    """Under DDP each rank packs its own share of the rows (the default packed batches) and both run the same
+    number of micro-batches: the run ends, its loss falls and its evaluation is lossless."""
+    _, ddp = ddp_medusa
+    assert ddp["distributed"] == {"type": "MULTI_CPU", "num_processes": 2, "device": "cpu"}
+    assert ddp["config"]["trainer"]["tokens_per_batch"] == 512
+    curve = [h["stage1/loss"] for h in ddp["train_curves"]["stage1"]]
+    assert sum(curve[-3:]) < 0.9 * sum(curve[:3])
+    assert all(greedy_lossless(m) for m in ddp["eval"].values())
 
 
 @pytest.mark.parametrize("engine, kind", [("fsdp", "FSDP"), pytest.param("zero2", "DEEPSPEED", marks=NEEDS_DEEPSPEED),
