@@ -63,6 +63,12 @@ class Tree:
     def max_rank(self) -> int:
         return max(self.rank) + 1 if len(self.rank) > 1 else 1
 
+    @property
+    def internal(self) -> tuple[int, ...]:
+        """The nodes that some node follows (root included), in order: only their target logits decide which
+        candidates are accepted."""
+        return tuple(sorted(set(self.parent[1:]))) or (0,)
+
     def attention(self) -> torch.Tensor:
         """``[N + 1, N + 1]`` bool: node i sees node j iff j is i or one of its ancestors."""
         n = len(self.parent)
@@ -147,16 +153,16 @@ def _keep_path(cache: DynamicCache, past: int, nodes: list[int]) -> None:
                                   layer.values.index_select(-2, index.to(layer.values.device))], -2)
 
 
-def _accepted(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor,
+def _accepted(tree: Tree, tokens: torch.Tensor, parent_logits: torch.Tensor,
               typical: TypicalAcceptance | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N + 1]`` bool: node i's token accepted given its parent's target distribution (root: True), and
-    ``[N + 1]`` float: each node's path log-likelihood under that acceptance's distribution (greedy: zeros)."""
-    parent = torch.tensor(tree.parent[1:])
+    """``[N + 1]`` bool: node i's token accepted given its parent's target distribution (``parent_logits``:
+    ``[N, V]``, row i - 1 the target's logits at node i's parent; root: True), and ``[N + 1]`` float: each node's
+    path log-likelihood under that acceptance's distribution (greedy: zeros)."""
     loglik = torch.zeros(len(tree.parent))
     if typical is None:
-        ok = tokens[1:] == logits[parent].argmax(-1)
+        ok = tokens[1:] == parent_logits.argmax(-1)
     else:
-        p = (logits[parent].float() / typical.temperature).softmax(-1)
+        p = (parent_logits.float() / typical.temperature).softmax(-1)
         entropy = -(p * (p + 1e-5).log()).sum(-1)
         threshold = torch.minimum(torch.full_like(entropy, typical.epsilon), typical.delta * (-entropy).exp())
         chosen = p.gather(-1, tokens[1:, None])[:, 0]
@@ -200,6 +206,11 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
     allow = tree.attention().to(device)
     rows = torch.tensor(tree.depth[1:]) - 1
     ranks = torch.tensor(tree.rank[1:])
+    # The LM head runs on the internal nodes only (16 of the default 65 with 4 heads): a leaf's logits matter only
+    # when it ends the accepted path, for the bonus token
+    internal = torch.tensor(tree.internal, device=device)
+    row_of = {node: i for i, node in enumerate(tree.internal)}
+    parent_rows = torch.tensor([row_of[p] for p in tree.parent[1:]], dtype=torch.long)
     start = time.perf_counter()
     cache = new_cache()
     hidden = target_step(target, prompt_ids, cache)[0][-1]
@@ -219,9 +230,9 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         states = target.base_model(input_ids=tokens[None].to(device), attention_mask=mask,
                                    position_ids=(past + depth)[None], use_cache=True,
                                    **with_cache(target, cache)).last_hidden_state[0]
-        logits = lm_head(states).cpu()
+        logits = lm_head(states[internal]).cpu()
         result.target_forwards += 1
-        best = _best(tree, *_accepted(tree, tokens, logits, typical))
+        best = _best(tree, *_accepted(tree, tokens, logits[parent_rows], typical))
         path = []
         node = best
         while node > 0:
@@ -230,7 +241,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         path.reverse()
         _keep_path(cache, past, [0] + path)
         result.verify_seconds += time.perf_counter() - t_verify
-        bonus = int(logits[best].argmax())
+        bonus = int((logits[row_of[best]] if best in row_of else lm_head(states[best]).cpu()).argmax())
         emitted = [int(tokens[i]) for i in path] + [bonus]
         before = len(result.tokens)
         result.tokens, done = cut_at_stop(result.tokens + emitted, max_new_tokens, stop)

@@ -97,7 +97,8 @@ def test_typical_acceptance_matches_medusa_and_reads_the_temperature():
     logits[0] = torch.tensor([0.0, 2.0, 2.5, -1.0, -1.0])  # the root's distribution: token 2 likelier than 1
     tokens = torch.tensor([0, 1, 2])  # candidate rank 0 drafts token 1, rank 1 token 2
     typical = TypicalAcceptance(epsilon=0.09, delta=0.3, temperature=0.7)
-    accepted, loglik = _accepted(tree, tokens, logits, typical)
+    at_parents = logits[list(tree.parent[1:])]  # row i - 1: the logits node i is judged by (its parent's)
+    accepted, loglik = _accepted(tree, tokens, at_parents, typical)
     assert accepted.tolist() == [True, True, True] and loglik[2] > loglik[1]
     assert _best(tree, accepted, loglik) == 2  # the likelier of the two accepted candidates, not the first
     p = (logits[0] / 0.7).softmax(-1)
@@ -105,8 +106,8 @@ def test_typical_acceptance_matches_medusa_and_reads_the_temperature():
     threshold = min(0.09, 0.3 * float((-entropy).exp()))
     assert bool(accepted[1]) == bool(p[1] > threshold)
     # the temperature changes the decision: very hot, token 1 is no longer above the threshold
-    hot, _ = _accepted(tree, tokens, logits, TypicalAcceptance(epsilon=0.5, delta=1.0, temperature=50.0))
-    cold, _ = _accepted(tree, tokens, logits, TypicalAcceptance(epsilon=0.5, delta=1.0, temperature=0.7))
+    hot, _ = _accepted(tree, tokens, at_parents, TypicalAcceptance(epsilon=0.5, delta=1.0, temperature=50.0))
+    cold, _ = _accepted(tree, tokens, at_parents, TypicalAcceptance(epsilon=0.5, delta=1.0, temperature=0.7))
     assert hot.tolist() != cold.tolist()
 
 
@@ -119,5 +120,5 @@ def test_typical_entropy_is_smoothed_as_medusa_smooths_it():
     p = logits[0].softmax(-1)
     smoothed, exact = (p * (p + 1e-5).log()).sum().exp(), (p * p.log()).sum().exp()  # exp(-H) both ways
     delta = float(p[1] / ((smoothed + exact) / 2))
-    accepted, _ = _accepted(tree, tokens, logits, TypicalAcceptance(epsilon=1.0, delta=delta, temperature=1.0))
+    accepted, _ = _accepted(tree, tokens, logits[:1], TypicalAcceptance(epsilon=1.0, delta=delta, temperature=1.0))
     assert not accepted[1] and bool(p[1] > delta * exact)
